@@ -1,0 +1,1 @@
+"""glance_rt.engines: filled in by the engines issue (see README)."""

@@ -1,0 +1,30 @@
+"""glance-rt: lossless one-pass block drafting + tree verification for VLMs and LLMs.
+
+Importing the package is light: torch, transformers and friends load on first use.
+"""
+
+from glance_rt.errors import GlanceError
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "load_target": "glance_rt.target",
+    "Target": "glance_rt.target",
+    "init_drafter": "glance_rt.drafter",
+    "load_drafter": "glance_rt.drafter",
+    "GlanceDrafter": "glance_rt.drafter",
+    "DrafterConfig": "glance_rt.drafter",
+    "Decoder": "glance_rt.decoder",
+    "GenerateResult": "glance_rt.decoder",
+    "Stats": "glance_rt.decoder",
+}
+
+__all__ = ["GlanceError", "__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'glance_rt' has no attribute {name!r}")

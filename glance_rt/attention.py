@@ -1,0 +1,47 @@
+"""Tree attention: the one named op (`glance::tree_attention`) every pass attends through.
+
+Keys and values come from a static cache laid out as `[prefix | rows]`: cache rows `[0, prefix_len)`
+are the committed prefix, visible to every query; rows `[prefix_len, prefix_len + T)` are the
+queries' own rows, visible where `tree_mask[t, j]`; rows past that are invisible. One op covers
+prefill (causal mask), autoregression (`[[True]]`), tree verify (ancestor mask) and the drafter's
+block (all true). Prefix visibility is a length, not a mask.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def visibility(tree_mask: Tensor, prefix_len: Tensor, kv_len: int) -> Tensor:
+    """Boolean attention mask [T, L] for queries `[prefix_len, prefix_len + T)` over L cache rows."""
+    t = tree_mask.shape[0]
+    j = torch.arange(kv_len, device=tree_mask.device)  # [L]
+    rel = j - prefix_len  # [L]
+    in_rows = (rel >= 0) & (rel < t)
+    rows = tree_mask[:, rel.clamp(0, t - 1)]  # [T, L]
+    return (j < prefix_len)[None, :] | (in_rows[None, :] & rows)
+
+
+def tree_attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len: Tensor, scale: float
+) -> Tensor:
+    """q [1, H, T, D]; k, v [1, KVH, L, D]; tree_mask [T, T] bool; prefix_len [] int64 -> [1, H, T, D]."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # [1, KVH, L, D] -> [1, H, L, D], as the HF sdpa path does with a mask
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    mask = visibility(tree_mask, prefix_len, k.shape[2])  # [T, L]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=scale)
+
+
+@torch.library.custom_op("glance::tree_attention", mutates_args=())
+def tree_attention(
+    q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len: Tensor, scale: float
+) -> Tensor:
+    """The named op. Shapes as in `tree_attention_reference`."""
+    return tree_attention_reference(q, k, v, tree_mask, prefix_len, scale).contiguous()
+
+
+@tree_attention.register_fake
+def _(q, k, v, tree_mask, prefix_len, scale):
+    return torch.empty_like(q)

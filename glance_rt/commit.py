@@ -1,0 +1,45 @@
+"""Greedy acceptance and the commit: which tree rows the target agrees with, what gets committed,
+and the compaction of the accepted rows' KV from scratch to their final cache rows."""
+
+import numpy as np
+
+from glance_rt.tree import Tree
+
+
+def accept(tree: Tree, greedy: np.ndarray) -> list[int]:
+    """greedy [N+1]: the target's argmax at every tree row. From the root, follow the child whose
+    token equals the target's argmax at the current row; stop where none does.
+    Returns the accepted path of row indices, root first."""
+    path = [0]
+    while (child := tree.children.get((path[-1], int(greedy[path[-1]])))) is not None:
+        path.append(child)
+    return path
+
+
+def committed_tokens(tree: Tree, greedy: np.ndarray, path: list[int]) -> list[int]:
+    """The accepted draft tokens plus the bonus (the target's argmax after the last accepted row).
+    Each is the target's argmax given its exact prefix, so this is the greedy continuation."""
+    return [int(tree.tokens[i]) for i in path[1:]] + [int(greedy[path[-1]])]
+
+
+def apply_stops(tokens: list[int], produced: int, max_new_tokens: int, eos_ids: frozenset) -> tuple[list[int], bool]:
+    """Cut a run of committed tokens exactly where greedy decoding would stop: after an EOS token
+    or when `max_new_tokens` is reached. Returns (the tokens kept, whether generation is over)."""
+    kept = []
+    for tok in tokens:
+        if produced + len(kept) >= max_new_tokens:
+            return kept, True
+        kept.append(tok)
+        if tok in eos_ids:
+            return kept, True
+    return kept, produced + len(kept) >= max_new_tokens
+
+
+def compact(cache, path: list[int], start: int) -> None:
+    """Move the accepted rows' KV (root included) from scratch rows `start + path` to
+    `[start, start + len(path))`. Rejected rows are left to be overwritten."""
+    import torch
+
+    if path != list(range(len(path))):
+        src = torch.tensor([start + i for i in path], device=cache.kv.device)
+        cache.move_rows(src, start)

@@ -1,0 +1,179 @@
+"""The round loop: prefill, then per round draft -> tree -> verify -> accept/commit.
+
+`Decoder(target, drafter=None)` is plain autoregression through the same verify pass (a tree of
+one row). Output tokens are exactly the target's greedy tokens.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from glance_rt.commit import accept, apply_stops, committed_tokens, compact
+from glance_rt.errors import GlanceError
+from glance_rt.model import TargetDecoder
+from glance_rt.tree import build_tree, check_budget
+
+PHASES = ("prefill", "draft", "tree", "verify", "commit")
+
+
+@dataclass
+class Stats:
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens committed per round (incl. bonus)
+    draft_passes: int = 0
+    rounds: int = 0
+    prompt_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    @property
+    def mean_accepted(self) -> float:
+        return sum(self.accepted_lengths) / max(len(self.accepted_lengths), 1)
+
+
+@dataclass
+class GenerateResult:
+    token_ids: list[int]
+    text: str | None
+    stats: Stats
+
+
+class _Clock:
+    def __init__(self, timings: dict):
+        self.timings, self.t = timings, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.timings[phase] += now - self.t
+        self.t = now
+
+
+class Decoder:
+    """Lossless speculative decoding of `target` with `drafter` (a GlanceDrafter, None for
+    autoregression, or any object with `block_size`, `target_layer_ids` and a
+    `__call__(ctx_feats [m, F], ctx_start, bonus, block_start) -> draft logits [B-1, V]`).
+
+    `tree_budget` is the number of draft nodes verified per round (N); `chain=True` verifies the
+    width-1 tree (the top-1 draft at every depth, DFlash-style). `max_length` sizes the static
+    caches: prompt + max_new_tokens + one round's scratch must fit.
+    """
+
+    def __init__(self, target, drafter=None, tree_budget: int = 32, chain: bool = False, max_length: int = 2048):
+        from glance_rt.draft import DraftPass
+        from glance_rt.drafter import GlanceDrafter, check_compatible
+
+        check_budget(tree_budget)
+        if max_length < 2:
+            raise GlanceError(f"max_length must be at least 2, got {max_length}")
+        self.target, self.chain, self.max_length = target, chain, max_length
+        if isinstance(drafter, GlanceDrafter):
+            check_compatible(drafter.config, target)
+            drafter = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, max_length)
+        self.drafter = drafter
+        self.tree_budget = 0 if drafter is None else min(tree_budget, drafter.block_size - 1) if chain else tree_budget
+        layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
+        self.verifier = TargetDecoder(target.parts, max_length, layers)
+        self.mrope = bool(target.parts.mrope)
+        self.eos_ids = frozenset(target.eos_token_ids)
+
+    # ------------------------------------------------------------------ positions
+
+    def _positions(self, index: Tensor, rope_delta: int) -> Tensor:
+        """Token indices [T] -> the positions the text decoder takes: [1, T] or [3, 1, T]."""
+        pos = (index + rope_delta)[None]
+        return pos[None].expand(3, 1, -1) if self.mrope else pos
+
+    def _scratch_rows(self) -> int:
+        block = self.drafter.block_size if self.drafter is not None else 1
+        return max(self.tree_budget + 1, block)
+
+    # ------------------------------------------------------------------ the loop
+
+    @torch.inference_mode()
+    def rounds(self, max_new_tokens: int, stats: Stats, **inputs):
+        """Yield the committed tokens of each round (after stop rules)."""
+        if max_new_tokens < 1:
+            raise GlanceError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        clock = _Clock(stats.timings)
+        pre = self.target.prefill_inputs(inputs)  # embeds [P, H], positions [P] or [3, P]
+        p = pre.embeds.shape[0]
+        stats.prompt_tokens = p
+        need = p + max_new_tokens + self._scratch_rows()
+        if need > self.max_length:
+            raise GlanceError(
+                f"prompt ({p} tokens) + max_new_tokens ({max_new_tokens}) + one round's scratch "
+                f"({self._scratch_rows()}) = {need} rows exceeds the static cache (max_length={self.max_length}); "
+                "pass a larger max_length to Decoder or shorten the prompt / max_new_tokens"
+            )
+        dev = self.target.device
+        causal = torch.ones(p, p, dtype=torch.bool, device=dev).tril()
+        positions = pre.positions[:, None] if self.mrope else pre.positions[None]  # [3, 1, P] or [1, P]
+        logits, feats = self.verifier(pre.embeds[None].to(self.target.dtype), positions.to(dev), 0, causal,
+                                      logit_rows=slice(p - 1, p))
+        first = int(logits[-1].argmax())
+        clock.lap("prefill")
+        kept, done = apply_stops([first], 0, max_new_tokens, self.eos_ids)
+        produced = len(kept)
+        yield kept
+        n, bonus, ctx_feats, ctx_start = p + 1, first, feats, 0
+        while not done:
+            block_start = n - 1
+            draft_logits = None
+            if self.drafter is not None:
+                draft_logits = self.drafter(ctx_feats, ctx_start, bonus, block_start)  # [B-1, V]
+                stats.draft_passes += 1
+                clock.lap("draft")
+            tree = build_tree(draft_logits, bonus, self.tree_budget, self.chain)
+            tokens = torch.from_numpy(tree.tokens).to(dev)
+            mask = torch.from_numpy(tree.mask).to(dev)
+            index = torch.from_numpy(tree.depth).to(dev) + block_start
+            clock.lap("tree")
+            embeds = self.verifier.embed_tokens(tokens)[None]  # [1, N+1, H]
+            logits, feats = self.verifier(embeds, self._positions(index, pre.rope_delta), block_start, mask)
+            greedy = logits.argmax(-1).cpu().numpy()  # [N+1]
+            clock.lap("verify")
+            path = accept(tree, greedy)
+            run = committed_tokens(tree, greedy, path)
+            kept, done = apply_stops(run, produced, max_new_tokens, self.eos_ids)
+            produced += len(kept)
+            stats.rounds += 1
+            stats.accepted_lengths.append(len(kept))
+            if not done:
+                compact(self.verifier.cache, path, block_start)
+                ctx_feats = feats[torch.tensor(path, device=dev)] if self.drafter is not None else feats
+                ctx_start, n, bonus = block_start, n + len(path), run[-1]
+            clock.lap("commit")
+            yield kept
+
+    def generate(self, max_new_tokens: int = 128, **inputs) -> GenerateResult:
+        """`inputs`: what the processor returns for one sequence (input_ids, attention_mask,
+        pixel_values, ...). Returns the new tokens, stopping after EOS exactly like HF generate."""
+        stats = Stats()
+        token_ids = [t for run in self.rounds(max_new_tokens, stats, **inputs) for t in run]
+        return GenerateResult(token_ids, self.target.decode(token_ids), stats)
+
+    def stream(self, max_new_tokens: int = 128, **inputs) -> "Stream":
+        """Iterate text pieces as rounds commit; `.result` holds the GenerateResult afterwards."""
+        return Stream(self, max_new_tokens, inputs)
+
+
+class Stream:
+    def __init__(self, decoder: Decoder, max_new_tokens: int, inputs: dict):
+        self.decoder, self.max_new_tokens, self.inputs = decoder, max_new_tokens, inputs
+        self.result: GenerateResult | None = None
+
+    def __iter__(self):
+        target = self.decoder.target
+        stats, token_ids, shown = Stats(), [], ""
+        for run in self.decoder.rounds(self.max_new_tokens, stats, **self.inputs):
+            token_ids += run
+            text = target.decode(token_ids) or ""
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next round
+                continue
+            if text.startswith(shown) and len(text) > len(shown):
+                yield text[len(shown):]
+                shown = text
+        text = target.decode(token_ids)
+        if text is not None and text.startswith(shown) and len(text) > len(shown):
+            yield text[len(shown):]
+        self.result = GenerateResult(token_ids, text, stats)

@@ -1,0 +1,106 @@
+"""Our own text decoder over a Hugging Face model's weights (Llama / Qwen2 / Qwen3 families).
+
+Projections, norms, MLPs and the rotary table are the HF modules themselves (shared, not copied),
+so numerics match the HF forward; what is ours is the forward: explicit positions (1-D or M-RoPE),
+a static KV cache written by index, and attention through `glance::tree_attention`.
+"""
+
+import torch
+from torch import Tensor, nn
+
+from glance_rt.attention import tree_attention
+from glance_rt.kv_cache import KVCache
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [1, H, T, D]; cos, sin [1, T, D]."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, hf_attn: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.q_proj, self.k_proj = hf_attn.q_proj, hf_attn.k_proj
+        self.v_proj, self.o_proj = hf_attn.v_proj, hf_attn.o_proj
+        self.q_norm = getattr(hf_attn, "q_norm", None)  # Qwen3: RMSNorm over head_dim
+        self.k_norm = getattr(hf_attn, "k_norm", None)
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.scale = float(getattr(hf_attn, "scaling", head_dim**-0.5))
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, start: int, prefix_len, tree_mask):
+        t = x.shape[1]
+        q = self.q_proj(x).view(1, t, self.n_heads, self.head_dim)  # [1, T, H, D]
+        k = self.k_proj(x).view(1, t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(1, t, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, H, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_all, v_all = cache.write(layer, start, k, v)  # [1, KVH, start+T, D]
+        out = tree_attention(q, k_all, v_all, tree_mask, prefix_len, self.scale)  # [1, H, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(1, t, self.n_heads * self.head_dim))
+
+
+class Block(nn.Module):
+    def __init__(self, hf_layer: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.input_layernorm = hf_layer.input_layernorm
+        self.post_attention_layernorm = hf_layer.post_attention_layernorm
+        self.self_attn = Attention(hf_layer.self_attn, n_heads, n_kv_heads, head_dim)
+        self.mlp = hf_layer.mlp
+
+    def forward(self, h, cos, sin, cache, layer, start, prefix_len, tree_mask):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, start, prefix_len, tree_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TargetDecoder(nn.Module):
+    """The target's text decoder with a static cache of `max_len` rows.
+
+    `forward` runs T rows whose cache rows are `[start, start+T)`, seeing the committed prefix
+    `[0, start)` and each other through `tree_mask`. It returns logits for the rows asked for and
+    the concatenated hidden states of `feature_layers` (outputs of those decoder layers).
+    """
+
+    def __init__(self, parts, max_len: int, feature_layers: tuple[int, ...] = ()):
+        super().__init__()
+        cfg = parts.text_config
+        tm = parts.text_model
+        n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+        self.embed_tokens = tm.embed_tokens
+        self.layers = nn.ModuleList(Block(layer, n_heads, n_kv, head_dim) for layer in tm.layers)
+        self.norm = tm.norm
+        self.rotary_emb = tm.rotary_emb
+        self.lm_head = parts.lm_head
+        self.feature_layers = tuple(feature_layers)
+        w = self.embed_tokens.weight
+        self.cache = KVCache(len(self.layers), n_kv, max_len, head_dim, w.dtype, w.device)
+
+    def forward(
+        self,
+        embeds: Tensor,  # [1, T, H]
+        positions: Tensor,  # [1, T] or [3, 1, T] (M-RoPE)
+        start: int,
+        tree_mask: Tensor,  # [T, T] bool
+        logit_rows: slice | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        cos, sin = self.rotary_emb(embeds, positions)  # [1, T, D]
+        prefix_len = torch.tensor(start, device=embeds.device)
+        h, feats = embeds, {}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, self.cache, i, start, prefix_len, tree_mask)
+            if i in self.feature_layers:
+                feats[i] = h
+        h = self.norm(h if logit_rows is None else h[:, logit_rows])
+        logits = self.lm_head(h)[0]  # [T', V]
+        if feats:
+            features = torch.cat([feats[i] for i in self.feature_layers], -1)[0]  # [T, F]
+        else:
+            features = embeds.new_zeros(embeds.shape[1], 0)
+        return logits, features

@@ -1,0 +1,173 @@
+"""The target model: a Hugging Face model (text LLM or VLM), its processor, and what glance-rt
+needs to know about it. `load_target` is the one way in."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from glance_rt.errors import GlanceError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Target:
+    name: str
+    hf_model: nn.Module
+    parts: object  # glance_rt.arch.TextParts
+    processor: object | None  # the HF processor (VLMs) or tokenizer (text models), or None
+    tokenizer: object | None
+    eos_token_ids: frozenset
+
+    @property
+    def text_config(self):
+        return self.parts.text_config
+
+    @property
+    def vocab_size(self) -> int:
+        return self.parts.lm_head.weight.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts.lm_head.weight.device
+
+    @property
+    def is_vlm(self) -> bool:
+        from glance_rt.arch import SUPPORTED
+
+        return SUPPORTED[self.parts.model_type] == "vlm"
+
+    def prefill_inputs(self, inputs: dict):
+        """Processor outputs (batch 1) -> merged embeddings, positions and rope delta."""
+        from glance_rt.arch import capture_prefill
+
+        return capture_prefill(self.hf_model, self.parts, inputs)
+
+    def decode(self, token_ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def encode_chat(self, prompt: str, images=()) -> dict:
+        """One user turn through the chat template (if any) and the processor, as a user would."""
+        if self.processor is None:
+            raise GlanceError(f"{self.name} has no processor or tokenizer: pass token ids to Decoder.generate")
+        images = list(images)
+        if images and not self.is_vlm:
+            raise GlanceError(f"{self.name} is a text model: it takes no images (drop --image)")
+        template = getattr(self.processor, "chat_template", None) or getattr(self.tokenizer, "chat_template", None)
+        if template:
+            content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
+            if not self.is_vlm:
+                content = prompt
+            text = self.processor.apply_chat_template(
+                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+            )
+        else:
+            text = prompt
+        if self.is_vlm:
+            return dict(self.processor(text=text, images=images or None, return_tensors="pt"))
+        return dict(self.tokenizer(text, return_tensors="pt", add_special_tokens=not template))
+
+
+def _eos_ids(hf_model) -> frozenset:
+    gen = getattr(hf_model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if eos is None:
+        eos = getattr(hf_model.config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def from_model(hf_model, processor=None, name: str | None = None) -> Target:
+    from glance_rt.arch import text_parts
+
+    parts = text_parts(hf_model)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    name = name or getattr(hf_model.config, "_name_or_path", None) or parts.model_type
+    hf_model.eval().requires_grad_(False)
+    return Target(name, hf_model, parts, processor, tokenizer, _eos_ids(hf_model))
+
+
+def _load_gguf(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, local_files_only=True)
+    except ImportError as e:
+        raise GlanceError(f"loading GGUF files needs the gguf extra: pip install 'glance-rt[gguf]' ({e})") from e
+    except (ValueError, OSError, KeyError) as e:
+        raise GlanceError(f"{path} could not be read as a GGUF model ({e})") from e
+    return model, tok
+
+
+def _load_folder(path: Path, dtype: torch.dtype):
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    from glance_rt.arch import SUPPORTED
+
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise GlanceError(f"{path} is not a Hugging Face model folder (no config.json)")
+    try:
+        model_type = json.loads(cfg_file.read_text()).get("model_type")
+    except ValueError as e:
+        raise GlanceError(f"{cfg_file} is not valid JSON ({e})") from e
+    if model_type not in SUPPORTED:
+        raise GlanceError(f"unsupported architecture {model_type!r}; supported: {', '.join(sorted(SUPPORTED))}")
+    auto = AutoModelForImageTextToText if SUPPORTED[model_type] == "vlm" else AutoModelForCausalLM
+    try:
+        model = auto.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise GlanceError(f"{path}: the model weights could not be loaded ({e})") from e
+    processor = None
+    for loader in (AutoProcessor, AutoTokenizer):
+        try:
+            processor = loader.from_pretrained(path, local_files_only=True)
+            break
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return model, processor
+
+
+def load_target(source=None, dtype="float32", device="cpu", processor=None) -> Target:
+    """Load a target: None (the embedded SmolLM2-135M-Instruct), a local Hugging Face model folder
+    (safetensors), a GGUF file, or a transformers model already in memory (pass its processor).
+    Never downloads."""
+    from glance_rt.embedded import DEFAULT_NAME, default_gguf_path
+
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise GlanceError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        dtype = DTYPES[dtype]
+    if isinstance(source, nn.Module):
+        target = from_model(source, processor)
+    elif source is None or isinstance(source, (str, Path)):
+        path = default_gguf_path() if source is None else Path(source).expanduser()
+        name = DEFAULT_NAME if source is None else path.stem
+        if path.is_file() and path.suffix == ".gguf":
+            model, proc = _load_gguf(path, dtype)
+        elif path.is_dir():
+            model, proc = _load_folder(path, dtype)
+        else:
+            raise GlanceError(
+                f"{source!r} is not a local model folder or .gguf file (glance-rt never downloads: "
+                "give a folder with config.json + safetensors, a .gguf file, or a transformers model)"
+            )
+        target = from_model(model, processor or proc, name)
+    else:
+        raise GlanceError(
+            f"load_target takes a folder, a .gguf file, a transformers model or None, not {type(source).__name__}"
+        )
+    target.hf_model.to(device=device, dtype=dtype)
+    return target

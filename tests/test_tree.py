@@ -1,0 +1,140 @@
+"""Property tests on tree building and acceptance alone: for ANY drafter logits, budget and block
+size, the committed tokens equal greedy decoding of a (synthetic) target."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from glance_rt.commit import accept, apply_stops, committed_tokens
+from glance_rt.errors import GlanceError
+from glance_rt.tree import build_tree, check_budget
+
+
+def target_next(prefix: tuple, vocab: int) -> int:
+    """A deterministic 'target': its greedy next token given the whole prefix."""
+    h = 1469598103934665603
+    for t in prefix:
+        h = ((h ^ (t + 1)) * 1099511628211) % (1 << 61)
+    return h % vocab
+
+
+def greedy(prefix: tuple, n: int, vocab: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        out.append(target_next(prefix + tuple(out), vocab))
+    return out
+
+
+def row_prefix(tree, i):
+    toks = []
+    while i > 0:
+        toks.append(int(tree.tokens[i]))
+        i = int(tree.parent[i])
+    return tuple(reversed(toks))
+
+
+def one_round(prefix, bonus, draft_logits, budget, vocab, chain=False):
+    tree = build_tree(draft_logits, bonus, budget, chain)
+    base = prefix + (bonus,)
+    g = np.array([target_next(base + row_prefix(tree, i), vocab) for i in range(tree.size)])
+    path = accept(tree, g)
+    return tree, path, committed_tokens(tree, g, path)
+
+
+logits_strategy = st.integers(1, 9).flatmap(
+    lambda depth: st.integers(2, 12).flatmap(
+        lambda vocab: st.lists(
+            st.lists(st.floats(-50, 50, allow_nan=False), min_size=vocab, max_size=vocab),
+            min_size=depth, max_size=depth,
+        )
+    )
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(logits=logits_strategy, budget=st.integers(1, 40), seed=st.integers(0, 10_000), chain=st.booleans())
+def test_any_draft_commits_greedy(logits, budget, seed, chain):
+    draft = torch.tensor(logits)
+    vocab = draft.shape[1]
+    rng = np.random.default_rng(seed)
+    prefix = tuple(int(t) for t in rng.integers(0, vocab, size=rng.integers(0, 5)))
+    bonus = int(rng.integers(0, vocab))
+    tree, path, run = one_round(prefix, bonus, draft, budget, vocab, chain)
+    assert run == greedy(prefix + (bonus,), len(run), vocab)
+    assert 1 <= len(run) <= draft.shape[0] + 1
+    # static shape: always budget + 1 rows (chain: at most depth + 1)
+    assert tree.size == (min(budget, draft.shape[0]) + 1 if chain else budget + 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(depth=st.integers(1, 8), vocab=st.integers(2, 6), budget=st.integers(1, 64), seed=st.integers(0, 10_000))
+def test_perfect_draft_accepts_whole_block(depth, vocab, budget, seed):
+    rng = np.random.default_rng(seed)
+    prefix = tuple(int(t) for t in rng.integers(0, vocab, size=3))
+    bonus = int(rng.integers(0, vocab))
+    want = greedy(prefix + (bonus,), depth, vocab)
+    draft = torch.full((depth, vocab), -5.0)
+    draft[torch.arange(depth), torch.tensor(want)] = 5.0
+    _, path, run = one_round(prefix, bonus, draft, budget, vocab)
+    assert len(path) - 1 == min(depth, budget)
+    assert run == greedy(prefix + (bonus,), len(run), vocab)
+
+
+@settings(max_examples=150, deadline=None)
+@given(logits=logits_strategy, budget=st.integers(1, 30))
+def test_tree_is_top_prefixes(logits, budget):
+    """The tree's nodes are exactly a set of `budget` most likely prefixes, parents first."""
+    draft = torch.tensor(logits)
+    depth, vocab = draft.shape
+    lp = torch.log_softmax(draft.double(), -1).numpy()
+    tree = build_tree(draft, 0, budget)
+    n_real = min(budget, sum(vocab**d for d in range(1, depth + 1)))
+    scores = []
+    for i in range(1, n_real + 1):
+        assert 0 <= tree.parent[i] < i
+        assert tree.depth[i] == tree.depth[tree.parent[i]] + 1
+        anc = {i}
+        j = i
+        while j > 0:
+            j = int(tree.parent[j])
+            anc.add(j)
+        assert set(np.flatnonzero(tree.mask[i])) == anc
+        p = row_prefix(tree, i)
+        scores.append(sum(lp[d, t] for d, t in enumerate(p)))
+    assert len({row_prefix(tree, i) for i in range(1, n_real + 1)}) == n_real
+    if depth <= 3 and vocab**depth <= 400:
+        all_scores = sorted(
+            (sum(lp[d, t] for d, t in enumerate(p)) for k in range(1, depth + 1)
+             for p in itertools.product(range(vocab), repeat=k)), reverse=True)
+        kth = all_scores[n_real - 1]
+        assert min(scores) >= kth - 1e-4  # (float32 top-k vs float64 sums)
+
+
+def test_chain_is_top1_path():
+    draft = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
+    tree = build_tree(draft, 7, 32, chain=True)
+    assert tree.tokens.tolist() == [7, 1, 0, 2]
+    assert tree.parent.tolist() == [-1, 0, 1, 2]
+
+
+def test_autoregression_tree_is_root_only():
+    tree = build_tree(None, 5, 0)
+    assert tree.tokens.tolist() == [5] and tree.mask.tolist() == [[True]]
+
+
+def test_stops_cut_run_exactly():
+    eos = frozenset({9})
+    assert apply_stops([1, 9, 3], 0, 10, eos) == ([1, 9], True)
+    assert apply_stops([1, 2, 3], 8, 10, eos) == ([1, 2], True)
+    assert apply_stops([1, 2], 0, 10, eos) == ([1, 2], False)
+    assert apply_stops([1, 2], 8, 10, eos) == ([1, 2], True)
+
+
+@pytest.mark.parametrize("budget", [0, -1, 10_000])
+def test_budget_out_of_range(budget):
+    with pytest.raises(GlanceError, match="tree_budget"):
+        check_budget(budget)
