@@ -64,7 +64,8 @@ class TargetDecoder(nn.Module):
 
     `forward` runs T rows whose cache rows are `[start, start+T)`, seeing the committed prefix
     `[0, start)` and each other through `tree_mask`. It returns logits for the rows asked for and
-    the concatenated hidden states of `feature_layers` (outputs of those decoder layers).
+    the concatenated hidden states of `feature_layers`: the outputs of those decoder layers, indexed
+    like HF's `hidden_states[i + 1]` (so the last layer's is taken after the final norm).
     """
 
     def __init__(self, parts, max_len: int, feature_layers: tuple[int, ...] = ()):
@@ -97,6 +98,9 @@ class TargetDecoder(nn.Module):
             h = layer(h, cos, sin, self.cache, i, start, prefix_len, tree_mask)
             if i in self.feature_layers:
                 feats[i] = h
+        last = len(self.layers) - 1
+        if last in feats:  # as HF's hidden_states[-1]: the last layer's output comes after the final norm
+            feats[last] = self.norm(h)
         h = self.norm(h if logit_rows is None else h[:, logit_rows])
         logits = self.lm_head(h)[0]  # [T', V]
         if feats:

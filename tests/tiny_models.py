@@ -102,6 +102,8 @@ class _NoVideoProcessor(VideoProcessorMixin):
     merge_size = 2
     temporal_patch_size = 2
     patch_size = 14
+    num_frames = 64  # read by SmolVLMProcessor.apply_chat_template
+    fps = 1
 
 
 def _video_processor(cls_name: str):
@@ -275,16 +277,19 @@ def _init_text(model):
 
 
 def make_tiny(arch: str, seed: int = 0):
-    """(model, processor) for `arch`: fp32, eval(), sdpa, deterministic in `seed`."""
+    """(model, processor) for `arch`: fp32, eval(), sdpa, deterministic in `seed` (global RNG untouched)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     tok = make_tokenizer(arch)
     processor = _make_processor(arch, tok)
-    torch.manual_seed(seed)
-    model = _build(arch, tok)
-    model.config._attn_implementation = "sdpa"
-    model = model.to(torch.float32).eval()
-    _init_text(model)
+    if arch in VLM_ARCHS:
+        processor.chat_template = _chat_template(arch)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = _build(arch, tok)
+        model.config._attn_implementation = "sdpa"
+        model = model.to(torch.float32).eval()
+        _init_text(model)
     gc = model.generation_config
     gc.eos_token_id = tok.eos_token_id  # <|im_end|>: a real token the model can emit
     gc.pad_token_id = tok.pad_token_id
@@ -316,12 +321,41 @@ def _image_tag(arch: str) -> str:
     return "<image>"
 
 
+# chat formats: (text before the role, role filter, text after the role, turn end, generation prompt)
+_CHAT = {
+    "im": ("<|im_start|>", "", "\n", "<|im_end|>\n", "<|im_start|>assistant\n"),  # qwen / onevision
+    "llava": ("", "upper", ": ", " ", "ASSISTANT:"),  # USER: ... ASSISTANT:
+    "idefics": ("", "capitalize", ":", "<end_of_utterance>\n", "Assistant:"),  # User:... Assistant:
+}
+
+
+def _chat_style(arch: str) -> str:
+    return {"llava": "llava", "idefics3": "idefics", "smolvlm": "idefics"}.get(arch, "im")
+
+
 def _wrap(arch: str, body: str) -> str:
-    if arch in ("idefics3", "smolvlm"):
-        return f"User:{body}<end_of_utterance>\nAssistant:"
-    if arch == "llava":
-        return f"USER: {body} ASSISTANT:"
-    return f"<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+    """One user turn + generation prompt: exactly what the processor's chat template renders."""
+    pre, filt, post, end, gen = _CHAT[_chat_style(arch)]
+    role = {"": "user", "upper": "USER", "capitalize": "User"}[filt]
+    return pre + role + post + body + end + gen
+
+
+def _chat_template(arch: str) -> str:
+    """Minimal Jinja chat template in the `_wrap` format; {"type": "image"} items become the image tag."""
+    pre, filt, post, end, gen = _CHAT[_chat_style(arch)]
+
+    def lit(t: str) -> str:
+        return "'" + t.replace("\n", "\\n") + "'"
+
+    role = "(m.role | " + filt + ")" if filt else "m.role"
+    return (
+        "{%- for m in messages -%}{{ " + lit(pre) + " + " + role + " + " + lit(post) + " }}"
+        "{%- if m.content is string -%}{{ m.content }}{%- else -%}{%- for c in m.content -%}"
+        "{%- if c.type == 'image' -%}{{ " + lit(_image_tag(arch)) + " }}"
+        "{%- elif c.type == 'text' -%}{{ c.text }}{%- endif -%}{%- endfor -%}{%- endif -%}"
+        "{{ " + lit(end) + " }}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ " + lit(gen) + " }}{%- endif -%}"
+    )
 
 
 def make_inputs(

@@ -1,0 +1,68 @@
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+def has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="no CUDA GPU here")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda():
+            item.add_marker(skip_gpu)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_target(arch: str, seed: int = 0):
+    """(glance Target, hf_model, processor) for a tiny random model, built once per process."""
+    import glance_rt
+    from tests.tiny_models import make_tiny
+
+    model, processor = make_tiny(arch, seed)
+    return glance_rt.load_target(model, processor=processor), model, processor
+
+
+@functools.lru_cache(maxsize=1)
+def smollm_target():
+    import glance_rt
+
+    return glance_rt.load_target(None)
+
+
+def hf_greedy(model, inputs: dict, max_new_tokens: int, **kw) -> list[int]:
+    """Hugging Face greedy generate: the reference output (new tokens only)."""
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, **kw)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+class OracleDrafter:
+    """A drafter that knows the reference continuation: proposes it (perfect), or corrupts a
+    fraction of depths (adversarial). Implements the Decoder's drafter protocol."""
+
+    target_layer_ids = ()
+
+    def __init__(self, prompt_len: int, reference: list[int], vocab: int, block_size: int,
+                 corrupt: float = 0.0, seed: int = 0, decoy: bool = False):
+        self.prompt_len, self.reference, self.vocab = prompt_len, reference, vocab
+        self.block_size, self.corrupt, self.decoy = block_size, corrupt, decoy
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, ctx_feats, ctx_start, bonus, block_start):
+        depth = self.block_size - 1
+        logits = torch.from_numpy(self.rng.normal(size=(depth, self.vocab))).float()
+        for d in range(depth):
+            i = block_start + 1 + d - self.prompt_len  # index into the generated tokens
+            tok = self.reference[i] if 0 <= i < len(self.reference) else 0
+            if self.rng.random() < self.corrupt:
+                tok = int(self.rng.integers(self.vocab))
+            logits[d, tok] = 30.0
+            if self.decoy:  # a wrong token ranked above the right one: accepted paths leave rank 0
+                logits[d, (tok + 1) % self.vocab] = 30.5
+        return logits
