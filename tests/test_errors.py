@@ -1,0 +1,98 @@
+"""Bad input: one documented exception type (GlanceError) with a message that says what to do."""
+
+import json
+
+import pytest
+import torch
+
+import glance_rt
+from glance_rt import GlanceError
+from tests.conftest import tiny_target
+from tests.tiny_models import make_inputs
+
+
+def test_unsupported_architecture_in_memory():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50))
+    with pytest.raises(GlanceError, match="supports.*llama"):
+        glance_rt.load_target(model)
+
+
+def test_unsupported_architecture_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(GlanceError, match="unsupported architecture 'bert'"):
+        glance_rt.load_target(tmp_path)
+
+
+@pytest.mark.parametrize("source", ["/no/such/model", 42])
+def test_unknown_source(source):
+    with pytest.raises(GlanceError, match="never downloads|takes a folder"):
+        glance_rt.load_target(source)
+
+
+def test_bad_dtype():
+    with pytest.raises(GlanceError, match="dtype"):
+        glance_rt.load_target(None, dtype="int8")
+
+
+def test_drafter_for_another_target():
+    llama, _, _ = tiny_target("llama")
+    vlm, _, _ = tiny_target("qwen2_vl")
+    drafter = glance_rt.init_drafter(llama, block_size=4)
+    if llama.vocab_size != vlm.vocab_size:
+        with pytest.raises(GlanceError, match="vocab size"):
+            glance_rt.Decoder(vlm, drafter)
+    wide = glance_rt.init_drafter(llama, block_size=4, hidden_size=32)
+    with pytest.raises(GlanceError, match="hidden size 32"):
+        glance_rt.Decoder(llama, wide)
+    deep = glance_rt.init_drafter(llama, block_size=4, target_layer_ids=(0, 9))
+    with pytest.raises(GlanceError, match=r"layer ids \[9\]"):
+        glance_rt.Decoder(llama, deep)
+
+
+def test_prompt_over_cache_capacity():
+    target, _, tok = tiny_target("qwen3")
+    inputs = make_inputs("qwen3", tok)
+    dec = glance_rt.Decoder(target, glance_rt.init_drafter(target, block_size=4), tree_budget=16, max_length=48)
+    with pytest.raises(GlanceError, match="exceeds the static cache.*max_length"):
+        dec.generate(max_new_tokens=32, **inputs)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "llava", "idefics3"])
+def test_image_count_must_match_placeholders(arch):
+    target, _, processor = tiny_target(arch)
+    one = make_inputs(arch, processor, n_images=1)
+    two = make_inputs(arch, processor, n_images=2)
+    bad = {**one, **{k: v for k, v in two.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}}
+    with pytest.raises(GlanceError, match="image"):
+        glance_rt.Decoder(target).generate(max_new_tokens=4, **bad)
+    no_pixels = {k: v for k, v in one.items() if "pixel" not in k and "grid" not in k and "sizes" not in k}
+    with pytest.raises(GlanceError, match="image"):
+        glance_rt.Decoder(target).generate(max_new_tokens=4, **no_pixels)
+
+
+def test_batch_of_two_is_refused():
+    target, _, tok = tiny_target("llama")
+    with pytest.raises(GlanceError, match="batch size 1"):
+        glance_rt.Decoder(target).generate(max_new_tokens=4, input_ids=torch.ones(2, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("block", [1, 65])
+def test_block_size_out_of_range(block):
+    target, _, _ = tiny_target("llama")
+    with pytest.raises(GlanceError, match="block_size"):
+        glance_rt.init_drafter(target, block_size=block)
+
+
+@pytest.mark.parametrize("budget", [0, 5000])
+def test_budget_out_of_range(budget):
+    target, _, _ = tiny_target("llama")
+    with pytest.raises(GlanceError, match="tree_budget"):
+        glance_rt.Decoder(target, glance_rt.init_drafter(target), tree_budget=budget)
+
+
+def test_max_new_tokens_must_be_positive():
+    target, _, tok = tiny_target("llama")
+    with pytest.raises(GlanceError, match="max_new_tokens"):
+        glance_rt.Decoder(target).generate(max_new_tokens=0, **make_inputs("llama", tok))
