@@ -47,6 +47,8 @@ def _supported_msg() -> str:
 
 @dataclass(frozen=True, eq=False)
 class TextParts:
+    """The HF modules our decoder runs (weights are shared, not copied)."""
+
     model_type: str  # top-level model_type
     text_model: nn.Module  # HF decoder: .embed_tokens, .layers, .norm, .rotary_emb
     lm_head: nn.Module
@@ -109,7 +111,9 @@ def text_parts(hf_model: nn.Module) -> TextParts:
         )
     missing = [a for a in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(text_model, a)]
     if missing:
-        raise GlanceError(f"{type(text_model).__name__} lacks {missing}: not a supported text decoder; {_supported_msg()}")
+        raise GlanceError(
+            f"{type(text_model).__name__} lacks {missing}: not a supported text decoder; {_supported_msg()}"
+        )
     text_config = text_model.config
     _check_text_config(text_config, model_type)
     mrope = model_type in MROPE
@@ -121,6 +125,8 @@ def text_parts(hf_model: nn.Module) -> TextParts:
 
 @dataclass(frozen=True, eq=False)
 class PrefillInputs:
+    """What HF feeds its text decoder at prefill, plus the rule for positions after it."""
+
     embeds: torch.Tensor  # [P, H] merged text+image embeddings, as HF feeds its text decoder
     positions: torch.Tensor  # [3, P] int64 for mrope models, [P] otherwise
     rope_delta: int  # generated token i (i >= P) sits at position i + rope_delta (all 3 axes for mrope)
@@ -133,9 +139,13 @@ class _Captured(Exception):
 def _input_ids(inputs: Mapping) -> torch.Tensor:
     ids = inputs.get("input_ids")
     if not isinstance(ids, torch.Tensor):
-        raise GlanceError("inputs need 'input_ids' as a tensor: pass the processor/tokenizer output with return_tensors='pt'")
+        raise GlanceError(
+            "inputs need 'input_ids' as a tensor: pass the processor/tokenizer output with return_tensors='pt'"
+        )
     if ids.ndim != 2 or ids.shape[0] != 1:
-        raise GlanceError(f"input_ids must have shape [1, P] (batch size 1), got {list(ids.shape)}: run one prompt at a time")
+        raise GlanceError(
+            f"input_ids must have shape [1, P] (batch size 1), got {list(ids.shape)}: run one prompt at a time"
+        )
     if ids.shape[1] == 0:
         raise GlanceError("input_ids is empty: the prompt needs at least one token")
     mask = inputs.get("attention_mask")
@@ -150,7 +160,7 @@ def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
     edges = torch.diff(m, prepend=m.new_zeros(1), append=m.new_zeros(1))
     starts = (edges == 1).nonzero().flatten().tolist()
     ends = (edges == -1).nonzero().flatten().tolist()
-    return list(zip(starts, ends))
+    return list(zip(starts, ends, strict=True))
 
 
 _HOW_TO_FIX = (

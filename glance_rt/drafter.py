@@ -229,7 +229,9 @@ def read_drafter(path, dtype: torch.dtype = torch.float32, device="cpu") -> Glan
     try:
         config = _config_from_json(json.loads(cfg_file.read_text()))
     except (ValueError, KeyError, TypeError) as e:
-        raise GlanceError(f"{cfg_file} is corrupt or not a DFlash/GLANCE drafter config ({e!r}); re-save or re-train it") from e
+        raise GlanceError(
+            f"{cfg_file} is corrupt or not a DFlash/GLANCE drafter config ({e!r}); re-save or re-train it"
+        ) from e
     try:
         state = load_file(weights)
     except (SafetensorError, OSError, ValueError) as e:

@@ -101,7 +101,9 @@ def _load_gguf(path: Path, dtype: torch.dtype):
 
     try:
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=dtype, local_files_only=True
+        )
     except ImportError as e:
         raise GlanceError(f"loading GGUF files needs the gguf extra: pip install 'glance-rt[gguf]' ({e})") from e
     except (ValueError, OSError, KeyError) as e:
@@ -112,7 +114,7 @@ def _load_gguf(path: Path, dtype: torch.dtype):
 def _load_folder(path: Path, dtype: torch.dtype):
     import json
 
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from glance_rt.arch import SUPPORTED
 
@@ -130,13 +132,9 @@ def _load_folder(path: Path, dtype: torch.dtype):
         model = auto.from_pretrained(path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError, RuntimeError) as e:
         raise GlanceError(f"{path}: the model weights could not be loaded ({e})") from e
-    processor = None
-    for loader in (AutoProcessor, AutoTokenizer):
-        try:
-            processor = loader.from_pretrained(path, local_files_only=True)
-            break
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+    from glance_rt.processors import load_processor
+
+    processor = load_processor(path, is_vlm=SUPPORTED[model_type] == "vlm")
     return model, processor
 
 

@@ -18,7 +18,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_target(arch: str, seed: int = 0):
     """(glance Target, hf_model, processor) for a tiny random model, built once per process."""
     import glance_rt

@@ -26,7 +26,7 @@ VARIANTS = {"text": dict(n_images=0), "1img": dict(n_images=1), "2img": dict(n_i
             "mid": dict(n_images=1, image_mid_prompt=True)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def case(arch: str, variant: str, new: int = NEW):
     target, model, processor = tiny_target(arch)
     inputs = make_inputs(arch, processor, **VARIANTS[variant])
@@ -112,7 +112,8 @@ def test_eos_inside_an_accepted_run(arch):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_one_token_prompt(arch):
     target, model, processor = tiny_target(arch)
-    inputs = {"input_ids": torch.tensor([[processor.bos_token_id or 1]]), "attention_mask": torch.ones(1, 1, dtype=torch.long)}
+    inputs = {"input_ids": torch.tensor([[processor.bos_token_id or 1]]),
+              "attention_mask": torch.ones(1, 1, dtype=torch.long)}
     ref = hf_greedy(model, inputs, NEW)
     for drafter, kw in ((None, {}), (glance_rt.init_drafter(target, block_size=4), {"tree_budget": 8}),
                         (OracleDrafter(1, ref, target.vocab_size, 4), {"chain": True})):
@@ -163,7 +164,7 @@ def test_logits_match_hf_at_prefill_and_verify(arch, monkeypatch):
             return model(input_ids=full, attention_mask=torch.ones_like(full), **more).logits[0, -1]
 
     torch.testing.assert_close(calls[0][1][-1], hf_last_logits([]), rtol=1e-5, atol=1e-3)
-    for (start, logits), tree in list(zip(calls[1:], trees))[:3]:
+    for (start, logits), tree in list(zip(calls[1:], trees, strict=True))[:3]:
         committed = ref[: start + 1 - p]
         for row in sorted({0, 1, tree.size - 1}):
             path, i = [], row

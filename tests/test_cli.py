@@ -1,0 +1,108 @@
+"""The CLI through click's CliRunner, on tiny model folders (load_target's folder path) and the
+embedded default."""
+
+import functools
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import glance_rt
+from glance_rt.cli import main
+from tests.conftest import hf_greedy
+from tests.tiny_models import make_images, make_tiny
+
+
+@functools.cache
+def model_folder(arch: str, root: str) -> str:
+    model, processor = make_tiny(arch)
+    path = f"{root}/{arch}"
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("models"))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2_vl", "llava"])
+def test_folder_loads_and_matches_hf(arch, root):
+    path = model_folder(arch, root)
+    target = glance_rt.load_target(path)
+    assert target.processor is not None
+    images = make_images(1) if target.is_vlm else []
+    inputs = target.encode_chat("Say something.", images)
+    ref = hf_greedy(target.hf_model, inputs, 16)
+    drafter = glance_rt.init_drafter(target, block_size=4)
+    assert glance_rt.Decoder(target, drafter, tree_budget=8).generate(max_new_tokens=16, **inputs).token_ids == ref
+
+
+def test_generate_streams_from_a_folder(root):
+    path = model_folder("qwen3", root)
+    target = glance_rt.load_target(path)
+    inputs = target.encode_chat("Hello there.")
+    want = target.decode(hf_greedy(target.hf_model, inputs, 12))
+    result = CliRunner().invoke(main, ["generate", "--target", path, "--prompt", "Hello there.",
+                                       "--max-new-tokens", "12", "--stats"])
+    assert result.exit_code == 0, result.output
+    assert want.strip() in result.stdout
+    assert "[stats]" in result.stderr and "autoregressively" in result.stderr
+
+
+def test_generate_with_drafter_and_image(root, tmp_path):
+    path = model_folder("qwen2_vl", root)
+    target = glance_rt.load_target(path)
+    glance_rt.init_drafter(target, block_size=4).save(tmp_path / "drafter")
+    image = tmp_path / "img.png"
+    make_images(1)[0].save(image)
+    result = CliRunner().invoke(main, ["generate", "--target", path, "--drafter", str(tmp_path / "drafter"),
+                                       "--image", str(image), "--prompt", "What is this?", "--max-new-tokens", "10",
+                                       "--tree-budget", "8", "--stats"])
+    assert result.exit_code == 0, result.output
+    from PIL import Image
+
+    inputs = target.encode_chat("What is this?", [Image.open(image).convert("RGB")])
+    assert target.decode(hf_greedy(target.hf_model, inputs, 10)).strip() in result.stdout
+    assert "draft passes" in result.stderr
+
+
+def test_bad_inputs_give_clear_errors(root, tmp_path):
+    path = model_folder("qwen3", root)
+    runner = CliRunner()
+    r = runner.invoke(main, ["generate", "--target", "/no/such", "--prompt", "x"])
+    assert r.exit_code != 0 and "never downloads" in r.output
+    good = tmp_path / "good.png"
+    make_images(1)[0].save(good)
+    r = runner.invoke(main, ["generate", "--target", path, "--image", str(good), "--prompt", "x"])
+    assert r.exit_code != 0 and "text model" in r.output
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not an image")
+    vlm = model_folder("llava", root)
+    r = runner.invoke(main, ["generate", "--target", vlm, "--image", str(bad), "--prompt", "x"])
+    assert r.exit_code != 0 and "could not open image" in r.output
+    r = runner.invoke(main, ["generate", "--target", path, "--prompt", "x", "--tree-budget", "0",
+                             "--drafter", str(tmp_path)])
+    assert r.exit_code != 0 and "Error" in r.output
+
+
+@pytest.mark.slow
+def test_embedded_default_generate():
+    """The README's main job: no target given -> SmolLM2-135M-Instruct, exact greedy answer."""
+    r = CliRunner().invoke(main, ["generate", "--prompt", "What is 2+2?", "--max-new-tokens", "12", "--stats"])
+    assert r.exit_code == 0, r.output
+    from tests.conftest import smollm_target
+
+    target = smollm_target()
+    inputs = target.encode_chat("What is 2+2?")
+    assert target.decode(hf_greedy(target.hf_model, inputs, 12)).strip() in r.stdout
+    assert "[stats]" in r.stderr
+
+
+def test_version():
+    r = CliRunner().invoke(main, ["--version"])
+    assert r.exit_code == 0 and glance_rt.__version__ in r.output
+
+
+torch.set_num_threads(2)

@@ -1,0 +1,52 @@
+"""The real embedded model (SmolLM2-135M-Instruct, GGUF): exact greedy output, every mode."""
+
+import pytest
+
+import glance_rt
+from tests.conftest import OracleDrafter, hf_greedy, smollm_target
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Copy exactly: The committee approved the budget on March 3rd, 2024, with 7 votes in favour.",
+    "Write a haiku about compilers.",
+]
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def cases():
+    target = smollm_target()
+    out = []
+    for prompt in PROMPTS:
+        inputs = target.encode_chat(prompt)
+        out.append((inputs, hf_greedy(target.hf_model, inputs, NEW)))
+    return target, out
+
+
+def test_embedded_default_is_smollm2(cases):
+    target, _ = cases
+    assert target.name == "SmolLM2-135M-Instruct"
+    assert target.text_config.num_hidden_layers == 30 and target.vocab_size == 49152
+    assert 2 in target.eos_token_ids  # <|im_end|>
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree32", "tree8-b4", "oracle", "decoy"])
+def test_real_model_lossless(cases, mode):
+    target, items = cases
+    for inputs, ref in items:
+        p = inputs["input_ids"].shape[1]
+        drafter, kw = {
+            "ar": (None, {}),
+            "chain": (glance_rt.init_drafter(target, block_size=8), {"chain": True}),
+            "tree32": (glance_rt.init_drafter(target, num_layers=2, block_size=8), {"tree_budget": 32}),
+            "tree8-b4": (glance_rt.init_drafter(target, block_size=4, seed=3), {"tree_budget": 8}),
+            "oracle": (OracleDrafter(p, ref, target.vocab_size, 8), {"tree_budget": 16}),
+            "decoy": (OracleDrafter(p, ref, target.vocab_size, 5, decoy=True), {"tree_budget": 24}),
+        }[mode]
+        res = glance_rt.Decoder(target, drafter, **kw).generate(max_new_tokens=NEW, **inputs)
+        assert res.token_ids == ref, (mode, res.text)
+        if mode == "oracle":
+            assert res.stats.mean_accepted > 3
+        if mode == "decoy":  # right tokens sit at rank 1: accepted paths leave rank 0
+            assert max(res.stats.accepted_lengths) >= 3
