@@ -42,6 +42,17 @@ def hf_greedy(model, inputs: dict, max_new_tokens: int, **kw) -> list[int]:
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
+def extend_inputs(inputs: dict, tokens: list[int]) -> dict:
+    """Processor outputs for the prompt followed by `tokens` (per-token extras such as
+    mm_token_type_ids extended as text), for a full-sequence HF forward."""
+    ids = inputs["input_ids"]
+    more = torch.tensor([tokens], dtype=ids.dtype)
+    out = {k: (torch.cat([v, v.new_zeros(1, len(tokens))], 1) if v.shape[:2] == ids.shape else v)
+           for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    full = torch.cat([ids, more], 1)
+    return {"input_ids": full, "attention_mask": torch.ones_like(full), **out}
+
+
 class OracleDrafter:
     """A drafter that knows the reference continuation: proposes it (perfect), or corrupts a
     fraction of depths (adversarial). Implements the Decoder's drafter protocol."""
