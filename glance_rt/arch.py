@@ -289,3 +289,18 @@ def capture_prefill(hf_model: nn.Module, parts: TextParts, inputs: Mapping) -> P
         # when the prompt ends with a text token
         raise GlanceError("the prompt ends inside an image: end it with text (e.g. the chat template's assistant turn)")
     return PrefillInputs(embeds, positions, rope_delta)
+
+
+def extend_inputs(inputs: Mapping, tokens: list[int]) -> dict:
+    """Processor outputs for the prompt followed by `tokens` (per-token extras such as
+    `mm_token_type_ids` extended as text), for one full-sequence HF forward."""
+    ids = inputs["input_ids"]
+    more = torch.tensor([tokens], dtype=ids.dtype, device=ids.device)
+    out = {
+        k: (torch.cat([v, v.new_zeros(1, len(tokens))], 1) if isinstance(v, torch.Tensor) and v.shape[:2] == ids.shape
+            else v)
+        for k, v in inputs.items()
+        if k not in ("input_ids", "attention_mask")
+    }
+    full = torch.cat([ids, more], 1)
+    return {"input_ids": full, "attention_mask": torch.ones_like(full), **out}

@@ -75,6 +75,56 @@ def generate(target_path, drafter_path, images, prompt, max_new_tokens, tree_bud
         click.echo("[stats] seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in s.timings.items()), err=True)
 
 
+@main.command()
+@click.option("--target", "target_path", type=click.Path(), default=None,
+              help="Local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
+@click.option("--prompts", type=click.Path(), default=None,
+              help="JSONL of {prompt, kind?, images?, split?} (default: the corpus shipped for the default target).")
+@click.option("--images", type=click.Path(), default=None, help="Folder the prompts' image paths are relative to.")
+@click.option("--out", required=True, type=click.Path(), help="Run folder (stages, checkpoints, drafter/, eval.json).")
+@click.option("--num-layers", default=1, show_default=True, type=int)
+@click.option("--block-size", default=8, show_default=True, type=int)
+@click.option("--target-layer-ids", default=None, help="Comma-separated target layers (default: DFlash's choice).")
+@click.option("--response-tokens", default=128, show_default=True, type=int)
+@click.option("--response-batch", default=16, show_default=True, type=int)
+@click.option("--steps", default=1000, show_default=True, type=int)
+@click.option("--batch-size", default=8, show_default=True, type=int, help="Sequences per step (all ranks).")
+@click.option("--blocks-per-seq", default=16, show_default=True, type=int)
+@click.option("--lr", default=6e-4, show_default=True, type=float)
+@click.option("--gamma", default=7.0, show_default=True, type=float)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--save-every", default=100, show_default=True, type=int)
+@click.option("--eval-every", default=0, show_default=True, type=int)
+@click.option("--eval-per-kind", default=8, show_default=True, type=int)
+@click.option("--eval-budget", default=32, show_default=True, type=int)
+@click.option("--limit", default=None, type=int, help="Use only the first N prompts (smoke runs).")
+@click.option("--no-bf16", is_flag=True, help="Keep the frozen lm_head copy in fp32 for the loss.")
+@click.option("--resume", is_flag=True, help="Continue the run in --out from its last complete stage/checkpoint.")
+def train(target_path, prompts, images, out, num_layers, block_size, target_layer_ids, response_tokens,
+          response_batch, steps, batch_size, blocks_per_seq, lr, gamma, seed, save_every, eval_every,
+          eval_per_kind, eval_budget, limit, no_bf16, resume):
+    """Train a GLANCE drafter for a target by self-distillation (resumable; torchrun for data parallel)."""
+    try:
+        import glance_rt
+        from glance_rt.train import TrainConfig
+        from glance_rt.train import train as run_training
+
+        ids = tuple(int(x) for x in target_layer_ids.split(",")) if target_layer_ids else None
+        cfg = TrainConfig(out=out, prompts=prompts, images=images, num_layers=num_layers, block_size=block_size,
+                          target_layer_ids=ids, response_tokens=response_tokens, response_batch=response_batch,
+                          steps=steps, batch_size=batch_size, blocks_per_seq=blocks_per_seq, lr=lr, gamma=gamma,
+                          seed=seed, save_every=save_every, eval_every=eval_every, eval_per_kind=eval_per_kind,
+                          eval_budget=eval_budget, limit=limit, bf16=not no_bf16, resume=resume)
+        target = glance_rt.load_target(target_path)
+        _, result = run_training(target, cfg)
+    except GlanceError as e:
+        raise click.ClickException(str(e)) from e
+    if result is not None:
+        click.echo(f"drafter: {out}/drafter")
+        click.echo(f"tau (held-out, tree budget {result['tree_budget']}): overall {result['overall']['tau']:.2f}; "
+                   + ", ".join(f"{k} {v['tau']:.2f}" for k, v in result["kinds"].items()))
+
+
 def _open_image(path):
     from PIL import Image, UnidentifiedImageError
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from glance_rt.attention import tree_attention
-from glance_rt.drafter import GlanceDrafter
+from glance_rt.drafter import GlanceDrafter, inv_freq, layer_out, layer_qkv, rope_tables
 from glance_rt.kv_cache import KVCache
 from glance_rt.model import apply_rope
 
@@ -28,18 +28,14 @@ class DraftPass(nn.Module):
         self.target_layer_ids = c.target_layer_ids
         w = drafter.fc.weight
         self.cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
-        self.register_buffer("inv_freq", inv_freq.to(w.device), persistent=False)
+        self.register_buffer("inv_freq", inv_freq(c).to(w.device), persistent=False)
         ids = torch.full((c.block_size,), c.mask_token_id if c.mask_token_id is not None else 0)
         self.register_buffer("block_ids", ids.to(w.device), persistent=False)
         self.register_buffer("block_mask", torch.ones(c.block_size, c.block_size, dtype=torch.bool, device=w.device),
                              persistent=False)
 
     def rope(self, start: int, length: int, dtype) -> tuple[Tensor, Tensor]:
-        pos = torch.arange(start, start + length, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = pos[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[None]  # [1, T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_tables(self.inv_freq, torch.arange(start, start + length, device=self.inv_freq.device), dtype)
 
     def block_embeds(self, bonus: int) -> Tensor:
         ids = self.block_ids.clone()
@@ -58,16 +54,9 @@ class DraftPass(nn.Module):
         h = self.block_embeds(bonus)  # [1, B, H]
         cos, sin = self.rope(ctx_start, m + b, h.dtype)  # [1, m+B, D]
         prefix_len = torch.tensor(block_start, device=h.device)
-        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         for i, layer in enumerate(d.layers):
-            a = layer.self_attn
-            x = torch.cat([ctx, layer.input_layernorm(h)], 1)  # [1, m+B, H]: context rows, then the block
-            q = a.q_norm(a.q_proj(x[:, m:]).view(1, b, nh, hd)).transpose(1, 2)  # [1, nh, B, D]
-            k = a.k_norm(a.k_proj(x).view(1, m + b, nkv, hd)).transpose(1, 2)  # [1, nkv, m+B, D]
-            v = a.v_proj(x).view(1, m + b, nkv, hd).transpose(1, 2)
+            q, k, v = layer_qkv(layer, c, ctx, h)  # q [1, nh, B, D]; k, v [1, nkv, m+B, D]
             q, k = apply_rope(q, cos[:, m:], sin[:, m:]), apply_rope(k, cos, sin)
             k_all, v_all = self.cache.write(i, ctx_start, k, v)  # [1, nkv, block_start+B, D]
-            out = tree_attention(q, k_all, v_all, self.block_mask, prefix_len, hd**-0.5)
-            h = h + a.o_proj(out.transpose(1, 2).reshape(1, b, nh * hd))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = layer_out(layer, h, tree_attention(q, k_all, v_all, self.block_mask, prefix_len, c.head_dim**-0.5))
         return self.lm_head(d.norm(h[:, 1:]))[0]  # [B-1, V]

@@ -105,8 +105,39 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
+def layer_qkv(layer: DraftLayer, c: DrafterConfig, ctx: Tensor, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One drafter layer's projections. ctx [1, C, H] (normed context features), h [1, Q, H] (block
+    hidden) -> q [1, nh, Q, D] from the block; k, v [1, nkv, C+Q, D] from the context, then the block."""
+    a = layer.self_attn
+    nq, q_len = ctx.shape[1] + h.shape[1], h.shape[1]
+    x = torch.cat([ctx, layer.input_layernorm(h)], 1)  # [1, C+Q, H]
+    q = a.q_norm(a.q_proj(x[:, -q_len:]).view(1, q_len, c.num_attention_heads, c.head_dim)).transpose(1, 2)
+    k = a.k_norm(a.k_proj(x).view(1, nq, c.num_key_value_heads, c.head_dim)).transpose(1, 2)
+    v = a.v_proj(x).view(1, nq, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+    return q, k, v
+
+
+def layer_out(layer: DraftLayer, h: Tensor, attn: Tensor) -> Tensor:
+    """attn [1, nh, Q, D] -> the layer's output hidden [1, Q, H] (residuals and MLP)."""
+    q_len = h.shape[1]
+    h = h + layer.self_attn.o_proj(attn.transpose(1, 2).reshape(1, q_len, -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def rope_tables(inv_freq: Tensor, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
+    """positions [T] -> cos, sin [1, T, D] (1-D RoPE, HF/Qwen3 layout)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def inv_freq(c: DrafterConfig) -> Tensor:
+    return 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+
+
 class GlanceDrafter(nn.Module):
-    """Weights and config of a drafter. The passes that run it live in `glance_rt.draft`."""
+    """Weights and config of a drafter. The inference pass lives in `glance_rt.draft`, the training
+    pass in `glance_rt.train`; both are built from `layer_qkv` / `layer_out` / `rope_tables`."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()

@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 import torch
 
+from glance_rt.arch import extend_inputs  # noqa: F401  (re-exported for tests)
+
 torch.set_num_threads(2)
 
 
@@ -40,17 +42,6 @@ def hf_greedy(model, inputs: dict, max_new_tokens: int, **kw) -> list[int]:
     with torch.no_grad():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, **kw)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
-
-
-def extend_inputs(inputs: dict, tokens: list[int]) -> dict:
-    """Processor outputs for the prompt followed by `tokens` (per-token extras such as
-    mm_token_type_ids extended as text), for a full-sequence HF forward."""
-    ids = inputs["input_ids"]
-    more = torch.tensor([tokens], dtype=ids.dtype)
-    out = {k: (torch.cat([v, v.new_zeros(1, len(tokens))], 1) if v.shape[:2] == ids.shape else v)
-           for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
-    full = torch.cat([ids, more], 1)
-    return {"input_ids": full, "attention_mask": torch.ones_like(full), **out}
 
 
 class OracleDrafter:

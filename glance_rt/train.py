@@ -1,0 +1,562 @@
+"""`glance-rt train`: self-distillation of a GLANCE drafter for one target (DESIGN.md section 6).
+
+Stages, each cached under `--out` and skipped when done:
+  1. responses  the target's own greedy answers to the prompts        responses/part-*.jsonl
+  2. features   one target forward per sequence, chosen layers' states  features/part-*.safetensors
+  3. training   anchored blocks, CE through the frozen lm_head           checkpoints/step-*/, drafter/
+  4. eval       mean accepted length tau per kind on held-out prompts    eval.json
+Every file is written to a temp name then renamed, so a killed run (even kill -9) leaves only
+complete parts; `--resume` continues from them. Data parallel: run under
+`torchrun --nproc_per_node N -m glance_rt.train ...` (gloo on CPU): prompts and batches are split
+across ranks, gradients all-reduced, rank 0 writes checkpoints.
+"""
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from glance_rt.errors import GlanceError
+
+PART_SIZE = 64  # prompts per response/feature part file
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    out: str
+    prompts: str | None = None  # JSONL; None = the corpus shipped for the default target
+    images: str | None = None  # folder that the prompts' image paths are relative to
+    num_layers: int = 1
+    block_size: int = 8
+    target_layer_ids: tuple[int, ...] | None = None  # None = DFlash's default for num_layers
+    response_tokens: int = 128
+    response_batch: int = 16
+    max_seq_len: int = 768
+    steps: int = 1000
+    batch_size: int = 8  # sequences per optimizer step, over all ranks
+    blocks_per_seq: int = 16
+    lr: float = 6e-4
+    warmup: float = 0.04
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float = 7.0  # loss weight of depth k: exp(-(k-1)/gamma)
+    bf16: bool = True  # bf16 frozen lm_head copy for the loss (CPU AVX512-BF16 / GPU)
+    seed: int = 0
+    save_every: int = 100
+    eval_every: int = 0  # 0: evaluate at the end only
+    eval_per_kind: int = 8
+    eval_budget: int = 32
+    eval_tokens: int = 128
+    limit: int | None = None  # use only the first N prompts (smoke runs)
+    resume: bool = False
+
+    def identity(self) -> dict:
+        """What must match for --resume to continue a run in the same folder."""
+        keys = ("prompts", "images", "num_layers", "block_size", "target_layer_ids", "response_tokens",
+                "max_seq_len", "seed", "limit")
+        return {k: getattr(self, k) for k in keys}
+
+
+# ----------------------------------------------------------------------------- small utilities
+
+
+def atomic_write(path: Path, write) -> None:
+    """`write(tmp_path)` then rename onto `path`: readers see the old file or the complete new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _dist():
+    """(rank, world) under torchrun, else (0, 1); initialises gloo once."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.get_rank(), world
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _bar(total: int, desc: str, rank: int, initial: int = 0):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, disable=rank != 0, dynamic_ncols=True, smoothing=0.1)
+
+
+def open_images(row: dict, images_dir: str | None) -> list:
+    from PIL import Image, UnidentifiedImageError
+
+    out = []
+    for name in row.get("images") or ():
+        path = Path(images_dir or ".") / name
+        try:
+            out.append(Image.open(path).convert("RGB"))
+        except (OSError, UnidentifiedImageError) as e:
+            raise GlanceError(f"prompt {row.get('id', '?')}: image {path} could not be opened ({e})") from e
+    return out
+
+
+# ----------------------------------------------------------------------------- run folder
+
+
+def prepare_out(cfg: TrainConfig, target, rank: int) -> Path:
+    """Create or check the run folder: refuse one that holds another run."""
+    out = Path(cfg.out)
+    meta = {"target": target.name, "vocab": target.vocab_size, "hidden": target.text_config.hidden_size,
+            "config": json.loads(json.dumps(cfg.identity()))}
+    run_file = out / "run.json"
+    if run_file.exists():
+        try:
+            old = json.loads(run_file.read_text())
+        except ValueError as e:
+            raise GlanceError(f"{run_file} is corrupt ({e}); use a fresh --out folder") from e
+        if not cfg.resume:
+            raise GlanceError(
+                f"{out} already holds a training run: pass --resume to continue it, or pick another --out"
+            )
+        if old != meta:
+            raise GlanceError(f"{out} holds a different run ({old} != {meta}); pick another --out")
+    elif out.exists() and any(out.iterdir()):
+        raise GlanceError(f"{out} is not empty and holds no glance-rt run: pick an empty or new --out folder")
+    elif rank == 0:
+        atomic_write(run_file, lambda p: p.write_text(json.dumps(meta, indent=2)))
+    return out
+
+
+def load_rows(cfg: TrainConfig) -> list[dict]:
+    from glance_rt.corpus import default_corpus_path, read_prompts
+
+    rows = read_prompts(cfg.prompts or default_corpus_path())
+    for i, row in enumerate(rows):
+        row.setdefault("id", f"p{i:06d}")
+        row.setdefault("kind", "default")
+        row.setdefault("split", "train")
+    return rows[: cfg.limit] if cfg.limit else rows
+
+
+def _parts(rows: list, size: int = PART_SIZE) -> list[list]:
+    return [rows[i : i + size] for i in range(0, len(rows), size)]
+
+
+# ----------------------------------------------------------------------------- 1. responses
+
+
+def _generate_batch(target, rows: list[dict], cfg: TrainConfig) -> list[dict]:
+    """Greedy answers through the chat template / processor. Text models: left-padded batches;
+    VLMs: one prompt at a time (their processors expand images per prompt)."""
+    model, out = target.hf_model, []
+    eos = target.eos_token_ids
+    encoded = [target.encode_chat(r["prompt"], open_images(r, cfg.images)) for r in rows]
+    groups = [[e] for e in encoded] if target.is_vlm else _parts(encoded, cfg.response_batch)
+    answers = []
+    for group in groups:
+        if target.is_vlm:
+            inputs = group[0]
+        else:
+            pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else min(eos or {0})
+            width = max(e["input_ids"].shape[1] for e in group)
+            ids = torch.full((len(group), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(group), width), dtype=torch.long)
+            for i, e in enumerate(group):
+                n = e["input_ids"].shape[1]
+                ids[i, width - n :], mask[i, width - n :] = e["input_ids"][0], 1
+            inputs = {"input_ids": ids, "attention_mask": mask}
+        with torch.inference_mode():
+            gen = model.generate(**inputs, do_sample=False, max_new_tokens=cfg.response_tokens,
+                                 eos_token_id=sorted(eos) or None, pad_token_id=target.tokenizer.pad_token_id)
+        for row in gen[:, inputs["input_ids"].shape[1] :].tolist():
+            cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+            answers.append(row[:cut])
+    for r, e, a in zip(rows, encoded, answers, strict=True):
+        out.append({**r, "prompt_ids": e["input_ids"][0].tolist(), "response_ids": a})
+    return out
+
+
+def stage_responses(target, rows: list[dict], cfg: TrainConfig, out: Path, rank: int, world: int) -> None:
+    parts = _parts(rows)
+    done = sum((out / "responses" / f"part-{i:05d}.jsonl").exists() for i in range(len(parts)))
+    bar = _bar(len(rows), "responses", rank, initial=min(done * PART_SIZE, len(rows)))
+    for i in range(rank, len(parts), world):
+        path = out / "responses" / f"part-{i:05d}.jsonl"
+        if path.exists():
+            continue
+        result = _generate_batch(target, parts[i], cfg)
+        atomic_write(path, lambda p, r=result: p.write_text("".join(json.dumps(x) + "\n" for x in r)))
+        bar.update(len(parts[i]) * world)
+    bar.close()
+    _barrier(world)
+
+
+def read_responses(out: Path, n_parts: int) -> list[list[dict]]:
+    parts = []
+    for i in range(n_parts):
+        path = out / "responses" / f"part-{i:05d}.jsonl"
+        parts.append([json.loads(line) for line in path.read_text().splitlines() if line])
+    return parts
+
+
+# ----------------------------------------------------------------------------- 2. features
+
+
+def capture_features(target, inputs: dict, layer_ids: tuple[int, ...]) -> Tensor:
+    """Hidden states of `layer_ids` (HF `hidden_states[i + 1]` convention) for every row of one
+    full-sequence forward, stopping after the deepest layer needed. -> [L, len(ids) * H]."""
+    text_model = target.parts.text_model
+    last = len(text_model.layers) - 1
+    seen, hooks = {}, []
+
+    class Done(Exception):
+        pass
+
+    def grab(i):
+        def hook(module, args, output):
+            seen[i] = output[0] if isinstance(output, tuple) else output
+            if len(seen) == len(layer_ids):
+                raise Done
+
+        return hook
+
+    for i in layer_ids:
+        module = text_model.norm if i == last else text_model.layers[i]
+        hooks.append(module.register_forward_hook(grab(i)))
+    try:
+        with torch.inference_mode():
+            target.hf_model(**inputs)
+    except Done:
+        pass
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.cat([seen[i][0] for i in layer_ids], -1)  # [L, F]
+
+
+def stage_features(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world: int, n_parts: int) -> None:
+    from safetensors.torch import save_file
+
+    from glance_rt.arch import extend_inputs
+
+    done = sum((out / "features" / f"part-{i:05d}.safetensors").exists() for i in range(n_parts))
+    bar = _bar(n_parts, "features", rank, initial=done)
+    for i in range(rank, n_parts, world):
+        path = out / "features" / f"part-{i:05d}.safetensors"
+        if path.exists():
+            continue
+        rows = [json.loads(x) for x in (out / "responses" / f"part-{i:05d}.jsonl").read_text().splitlines() if x]
+        tensors, meta = {}, []
+        for j, r in enumerate(rows):
+            inputs = target.encode_chat(r["prompt"], open_images(r, cfg.images))
+            resp = r["response_ids"][: max(cfg.max_seq_len - len(r["prompt_ids"]), 0)]
+            if len(resp) < 2:
+                continue
+            feats = capture_features(target, extend_inputs(inputs, resp), layer_ids)
+            ids = torch.tensor(r["prompt_ids"] + resp)
+            assert feats.shape[0] == len(ids), "features must cover every row"
+            tensors[f"{j}.features"] = feats.to(torch.bfloat16).contiguous()
+            tensors[f"{j}.ids"] = ids
+            meta.append({"key": str(j), "id": r["id"], "kind": r["kind"], "split": r["split"],
+                         "prompt_len": len(r["prompt_ids"])})
+        atomic_write(path, lambda p, t=tensors, m=meta: save_file(t, p, metadata={"rows": json.dumps(m)}))
+        bar.update(world)
+    bar.close()
+    _barrier(world)
+
+
+@dataclass
+class Sequence:
+    features: Tensor  # [L, F] bf16
+    ids: Tensor  # [L]
+    prompt_len: int
+    kind: str
+
+
+def load_features(out: Path, n_parts: int, split: str = "train") -> list[Sequence]:
+    from safetensors import safe_open
+
+    seqs = []
+    for i in range(n_parts):
+        with safe_open(out / "features" / f"part-{i:05d}.safetensors", "pt") as f:
+            for m in json.loads(f.metadata()["rows"]):
+                if m["split"] == split:
+                    seqs.append(Sequence(f.get_tensor(f"{m['key']}.features"), f.get_tensor(f"{m['key']}.ids"),
+                                         m["prompt_len"], m["kind"]))
+    return seqs
+
+
+# ----------------------------------------------------------------------------- 3. training
+
+
+def block_forward(drafter, embed: Tensor, features: Tensor, ids: Tensor, anchors: Tensor) -> Tensor:
+    """The training pass for one sequence: K blocks `[x_a, M, ..., M]` at anchors a [K], all in one
+    pass. Each block sees the context rows strictly before its anchor and its own rows (a
+    block-sparse mask), exactly what `DraftPass` sees at inference. features [L, F], ids [L]
+    -> normed hidden of depths 1..B-1 [K, B-1, H]."""
+    from glance_rt.drafter import inv_freq, layer_out, layer_qkv, rope_tables
+    from glance_rt.model import apply_rope
+
+    c = drafter.config
+    b, k_blocks, length = c.block_size, anchors.shape[0], ids.shape[0]
+    w = drafter.fc.weight
+    pos = anchors[:, None] + torch.arange(b)  # [K, B] token index of each block row
+    ctx = drafter.hidden_norm(drafter.fc(features.to(w.dtype)))[None]  # [1, L, H]
+    first = embed[ids[anchors]][:, None]  # [K, 1, H]
+    mask_vec = drafter.mask_embedding if c.learned_mask else embed[c.mask_token_id]
+    h = torch.cat([first, mask_vec.expand(k_blocks, b - 1, -1)], 1)  # [K, B, H]
+    h = h.reshape(1, k_blocks * b, -1).to(w.dtype)  # [1, KB, H]
+    q_block = torch.arange(k_blocks).repeat_interleave(b)  # [KB] block of each query row
+    ctx_vis = torch.arange(length)[None, :] < anchors[q_block][:, None]  # [KB, L]
+    blk_vis = q_block[:, None] == q_block[None, :]  # [KB, KB]
+    mask = torch.cat([ctx_vis, blk_vis], 1)[None, None]
+    cos, sin = rope_tables(inv_freq(c), torch.cat([torch.arange(length), pos.flatten()]), w.dtype)
+    groups = c.num_attention_heads // c.num_key_value_heads
+    for layer in drafter.layers:
+        q, k, v = layer_qkv(layer, c, ctx, h)
+        q, k = apply_rope(q, cos[:, length:], sin[:, length:]), apply_rope(k, cos, sin)
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c.head_dim**-0.5)
+        h = layer_out(layer, h, attn)
+    return drafter.norm(h).view(k_blocks, b, -1)[:, 1:]  # [K, B-1, H]
+
+
+def block_loss(drafter, embed: Tensor, head: Tensor, seq: Sequence, anchors: Tensor, gamma: float):
+    """CE of depth k predicting x_{a+k} through the frozen lm_head, weighted exp(-(k-1)/gamma).
+    Returns (weighted CE sum, weight sum, chain accepted-length sum over the blocks)."""
+    b, length = drafter.config.block_size, seq.ids.shape[0]
+    out = block_forward(drafter, embed, seq.features, seq.ids, anchors)
+    logits = F.linear(out.to(head.dtype), head).float()  # [K, B-1, V]
+    tgt_pos = anchors[:, None] + torch.arange(1, b)  # [K, B-1]
+    valid = tgt_pos < length
+    targets = seq.ids[tgt_pos.clamp(max=length - 1)]
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+    weight = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / gamma)[None].expand_as(ce) * valid
+    correct = (logits.argmax(-1) == targets) & valid
+    accepted = 1 + correct.long().cumprod(1).sum(1)  # chain acceptance of each block (+1 bonus)
+    return (ce * weight).sum(), weight.sum(), accepted.sum().item()
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    warm = max(int(cfg.steps * cfg.warmup), 1)
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    t = (step - warm) / max(cfg.steps - warm, 1)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def sample_step(seqs: list[Sequence], cfg: TrainConfig, step: int) -> list[tuple[int, Tensor]]:
+    """The step's (sequence index, anchors) pairs: a pure function of (seed, step), so a resumed
+    run draws exactly what an uninterrupted one would."""
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    picks = []
+    for i in torch.randint(len(seqs), (cfg.batch_size,), generator=g).tolist():
+        s = seqs[i]
+        lo, hi = s.prompt_len, s.ids.shape[0] - 1  # anchors in the response, each with >= 1 target
+        n = min(cfg.blocks_per_seq, hi - lo)
+        anchors = lo + torch.randperm(hi - lo, generator=g)[:n].sort().values
+        picks.append((i, anchors))
+    return picks
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    path: Path
+
+
+def latest_checkpoint(out: Path) -> Checkpoint | None:
+    best = None
+    for p in (out / "checkpoints").glob("step-*"):
+        if (p / "trainer.pt").is_file() and (p / "model.safetensors").is_file():
+            step = int(p.name.split("-")[1])
+            if best is None or step > best.step:
+                best = Checkpoint(step, p)
+    return best
+
+
+def save_checkpoint(drafter, opt, step: int, out: Path, keep: int = 2) -> None:
+    from glance_rt.drafter import save_drafter
+
+    final = out / "checkpoints" / f"step-{step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=".ckpt.", dir=out))
+    save_drafter(drafter, tmp / "d", dtype=torch.float32)
+    torch.save({"step": step, "optimizer": opt.state_dict()}, tmp / "d" / "trainer.pt")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp / "d", final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    old = sorted((out / "checkpoints").glob("step-*"))[:-keep]
+    for p in old:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+@dataclass
+class TrainState:
+    losses: list = field(default_factory=list)
+    taus: list = field(default_factory=list)
+
+
+def stage_train(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world: int, n_parts: int, evaluate):
+    from glance_rt.drafter import init_drafter, read_drafter
+
+    seqs = load_features(out, n_parts, "train")
+    if not seqs:
+        raise GlanceError("no training sequences: every response was shorter than 2 tokens or all prompts are held out")
+    if (out / "drafter" / "model.safetensors").exists():
+        return read_drafter(out / "drafter")
+    drafter = init_drafter(target, cfg.num_layers, cfg.block_size, seed=cfg.seed, target_layer_ids=layer_ids)
+    drafter = drafter.float().train().requires_grad_(True)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    start = 0
+    ckpt = latest_checkpoint(out)
+    if ckpt is not None:
+        loaded = read_drafter(ckpt.path, dtype=torch.float32)
+        drafter.load_state_dict(loaded.state_dict())
+        opt.load_state_dict(torch.load(ckpt.path / "trainer.pt", weights_only=True)["optimizer"])
+        start = ckpt.step
+    embed = target.parts.text_model.embed_tokens.weight.detach().float()
+    head = target.parts.lm_head.weight.detach().to(torch.bfloat16 if cfg.bf16 else torch.float32)
+    bar = _bar(cfg.steps, "train", rank, initial=start)
+    for step in range(start, cfg.steps):
+        picks = sample_step(seqs, cfg, step)[rank::world]
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        terms = [block_loss(drafter, embed, head, seqs[i], a, cfg.gamma) for i, a in picks]
+        loss_sum = sum(t[0] for t in terms)
+        stats = torch.tensor([float(sum(t[1] for t in terms)), float(sum(t[2] for t in terms)),
+                              float(sum(len(a) for _, a in picks))])
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(stats)
+        loss = loss_sum / stats[0]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if world > 1:
+            for p in drafter.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+            loss_val = torch.tensor([loss.item()])
+            dist.all_reduce(loss_val)
+        else:
+            loss_val = torch.tensor([loss.item()])
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        opt.step()
+        bar.set_postfix(loss=f"{loss_val.item():.3f}", tau_chain=f"{stats[1] / stats[2]:.2f}",
+                        lr=f"{lr_at(step, cfg):.1e}")
+        bar.update(1)
+        done = step + 1
+        if rank == 0 and (done % cfg.save_every == 0 or done == cfg.steps):
+            save_checkpoint(drafter, opt, done, out)
+        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps and rank == 0:
+            drafter.eval()
+            res = evaluate(drafter, per_kind=max(cfg.eval_per_kind // 4, 1), quiet=True)
+            bar.write(f"step {done}: tau {res['overall']['tau']:.2f} " +
+                      " ".join(f"{k} {v['tau']:.2f}" for k, v in res["kinds"].items()))
+            drafter.train()
+        _barrier(world)
+    bar.close()
+    drafter.eval().requires_grad_(False)
+    if rank == 0:
+        from glance_rt.drafter import save_drafter
+
+        save_drafter(drafter, out / "drafter", dtype=torch.bfloat16)
+    _barrier(world)
+    return read_drafter(out / "drafter")
+
+
+# ----------------------------------------------------------------------------- 4. evaluation
+
+
+def evaluate_tau(target, drafter, rows: list[dict], cfg: TrainConfig, per_kind: int, quiet: bool = False) -> dict:
+    """Mean accepted length (tokens committed per round) on held-out prompts, per kind, with the
+    real decoder and the given tree budget."""
+    from glance_rt.decoder import Decoder
+
+    drafter = drafter.to(target.dtype)
+    held: dict[str, list] = {}
+    for r in rows:
+        if r["split"] == "heldout" and len(held.setdefault(r["kind"], [])) < per_kind:
+            held[r["kind"]].append(r)
+    dec = Decoder(target, drafter, tree_budget=cfg.eval_budget, max_length=4096)
+    kinds, all_lens = {}, []
+    bar = _bar(sum(len(v) for v in held.values()), "eval", 0 if not quiet else 1)
+    for kind, items in held.items():
+        lens = []
+        for r in items:
+            inputs = target.encode_chat(r["prompt"], open_images(r, cfg.images))
+            lens += dec.generate(max_new_tokens=cfg.eval_tokens, **inputs).stats.accepted_lengths
+            bar.update(1)
+        kinds[kind] = {"tau": sum(lens) / max(len(lens), 1), "rounds": len(lens), "prompts": len(items)}
+        all_lens += lens
+    bar.close()
+    return {"overall": {"tau": sum(all_lens) / max(len(all_lens), 1), "rounds": len(all_lens)},
+            "kinds": kinds, "tree_budget": cfg.eval_budget, "max_new_tokens": cfg.eval_tokens}
+
+
+# ----------------------------------------------------------------------------- the whole job
+
+
+def train(target, cfg: TrainConfig):
+    """Run (or resume) every stage; returns (drafter, eval results)."""
+    from glance_rt.drafter import build_target_layer_ids
+
+    if not 2 <= cfg.block_size <= 64:
+        raise GlanceError(f"block_size must be in [2, 64], got {cfg.block_size}")
+    rank, world = _dist()
+    torch.manual_seed(cfg.seed)
+    n_target = target.text_config.num_hidden_layers
+    layer_ids = tuple(cfg.target_layer_ids or build_target_layer_ids(n_target, cfg.num_layers))
+    if any(not 0 <= i < n_target for i in layer_ids):
+        raise GlanceError(f"target_layer_ids {layer_ids} outside the target's {n_target} layers")
+    cfg = replace(cfg, target_layer_ids=layer_ids)
+    rows = load_rows(cfg)
+    out = prepare_out(cfg, target, rank)
+    _barrier(world)
+    stage_responses(target, rows, cfg, out, rank, world)
+    n_parts = len(_parts(rows))
+    stage_features(target, cfg, out, layer_ids, rank, world, n_parts)
+
+    def evaluate(drafter, per_kind=cfg.eval_per_kind, quiet=False):
+        return evaluate_tau(target, drafter, rows, cfg, per_kind, quiet)
+
+    drafter = stage_train(target, cfg, out, layer_ids, rank, world, n_parts, evaluate)
+    result = None
+    if rank == 0:
+        eval_file = out / "eval.json"
+        if eval_file.exists():
+            result = json.loads(eval_file.read_text())
+        else:
+            result = evaluate(drafter)
+            result["config"] = {k: v for k, v in asdict(cfg).items() if k != "resume"}
+            atomic_write(eval_file, lambda p: p.write_text(json.dumps(result, indent=2)))
+    _barrier(world)
+    return drafter, result
+
+
+def main(argv=None):
+    from glance_rt.cli import train as train_command
+
+    train_command.main(args=argv, standalone_mode=True)
+
+
+if __name__ == "__main__":
+    main()

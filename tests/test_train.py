@@ -1,0 +1,184 @@
+"""Drafter training: the training pass is the inference pass, stages cache and resume, the same
+seed gives the same drafter, data parallel matches one process, and a tiny VLM trains end to end."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+import glance_rt
+from glance_rt import GlanceError
+from glance_rt.draft import DraftPass
+from glance_rt.train import TrainConfig, block_forward, capture_features, train
+from tests.conftest import extend_inputs, hf_greedy, tiny_target
+from tests.tiny_models import make_images, make_inputs, make_tiny
+
+PROMPTS = [
+    ("extraction", "Copy exactly: the cat sat on the mat."),
+    ("extraction", "Repeat: alpha beta gamma delta."),
+    ("conversion", "Turn into JSON: name Ann, age 31."),
+    ("conversion", "Make a list: apples, pears, plums."),
+    ("chat", "Tell me a story about a fox."),
+    ("chat", "What do you like about rain?"),
+    ("code", "Write a function that adds two numbers."),
+    ("extraction", "Copy exactly: one two three."),
+    ("chat", "Say hello to the reader."),
+]
+
+
+def write_prompts(path, with_images: bool = False):
+    rows = []
+    for i, (kind, prompt) in enumerate(PROMPTS):
+        row = {"id": f"t{i}", "kind": kind, "prompt": prompt, "split": "heldout" if i >= 7 else "train"}
+        if with_images:
+            row["images"] = [f"img{i % 2}.png"]
+        rows.append(row)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if with_images:
+        for i, im in enumerate(make_images(2)):
+            im.save(path.parent / f"img{i}.png")
+    return path
+
+
+def small_cfg(tmp_path, name="run", **kw):
+    base = dict(out=str(tmp_path / name), prompts=str(write_prompts(tmp_path / "prompts.jsonl")),
+                num_layers=1, block_size=4, response_tokens=16, response_batch=4, steps=6, batch_size=2,
+                blocks_per_seq=4, save_every=3, eval_per_kind=1, eval_budget=8, eval_tokens=12, bf16=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_training_pass_is_the_inference_pass(arch):
+    """block_forward (many anchored blocks, block-sparse mask) == DraftPass (cache, one block)."""
+    target, model, processor = tiny_target(arch)
+    inputs = make_inputs(arch, processor)
+    ref = hf_greedy(model, inputs, 16)
+    drafter = glance_rt.init_drafter(target, num_layers=2, block_size=5, seed=3).float()
+    with torch.no_grad():
+        torch.nn.init.normal_(drafter.mask_embedding)
+    full = extend_inputs(inputs, ref)
+    feats = capture_features(target, full, drafter.target_layer_ids)
+    ids = full["input_ids"][0]
+    p = inputs["input_ids"].shape[1]
+    anchors = torch.tensor([p, p + 3, p + 10, len(ids) - 2])
+    embed = target.parts.text_model.embed_tokens.weight
+    with torch.no_grad():
+        out = block_forward(drafter, embed, feats, ids, anchors)  # [K, B-1, H]
+        train_logits = target.parts.lm_head(out)
+        for k, a in enumerate(anchors.tolist()):
+            dp = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, 256)
+            serve_logits = dp(feats[:a], 0, int(ids[a]), a)
+            torch.testing.assert_close(train_logits[k], serve_logits, rtol=1e-4, atol=1e-3)
+
+
+def test_end_to_end_resume_and_reproducibility(tmp_path, monkeypatch):
+    target, _, _ = tiny_target("llama")
+    cfg = small_cfg(tmp_path, "a")
+    drafter, result = train(target, cfg)
+    out = tmp_path / "a"
+    assert sorted(p.name for p in (out / "responses").iterdir()) == ["part-00000.jsonl"]
+    assert (out / "features" / "part-00000.safetensors").exists()
+    assert (out / "drafter" / "config.json").exists() and (out / "eval.json").exists()
+    assert set(result["kinds"]) == {"extraction", "chat"}  # the held-out kinds
+    assert result["overall"]["tau"] >= 1.0
+    # the trained drafter loads for the target and decodes losslessly
+    loaded = glance_rt.load_drafter(out / "drafter", target)
+    _, model, tok = tiny_target("llama")
+    inputs = make_inputs("llama", tok)
+    assert glance_rt.Decoder(target, loaded).generate(max_new_tokens=16, **inputs).token_ids == hf_greedy(
+        model, inputs, 16)
+
+    # same seed, new folder: the same drafter, bit for bit
+    train(target, replace(cfg, out=str(tmp_path / "b")))
+    wa, wb = weights(out / "drafter"), weights(tmp_path / "b" / "drafter")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+    # killed after the step-3 checkpoint, then resumed: the same drafter, no stage redone
+    import glance_rt.train as tm
+
+    real_lr = tm.lr_at
+
+    def crash(step, c):
+        if step == 4:
+            raise KeyboardInterrupt("killed")
+        return real_lr(step, c)
+
+    monkeypatch.setattr(tm, "lr_at", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train(target, replace(cfg, out=str(tmp_path / "c")))
+    assert (tmp_path / "c" / "checkpoints" / "step-000003" / "trainer.pt").exists()
+    assert not (tmp_path / "c" / "drafter").exists()
+    monkeypatch.setattr(tm, "lr_at", real_lr)
+    stamp = (tmp_path / "c" / "responses" / "part-00000.jsonl").stat().st_mtime_ns
+    with pytest.raises(GlanceError, match="--resume"):
+        train(target, replace(cfg, out=str(tmp_path / "c")))
+    train(target, replace(cfg, out=str(tmp_path / "c"), resume=True))
+    assert (tmp_path / "c" / "responses" / "part-00000.jsonl").stat().st_mtime_ns == stamp
+    wc = weights(tmp_path / "c" / "drafter")
+    assert all(torch.equal(wa[k], wc[k]) for k in wa)
+
+
+def test_refuses_other_runs_and_bad_images(tmp_path):
+    target, _, _ = tiny_target("llama")
+    cfg = small_cfg(tmp_path, steps=2)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "x.txt").write_text("mine")
+    with pytest.raises(GlanceError, match="not empty"):
+        train(target, replace(cfg, out=str(tmp_path / "busy")))
+    train(target, cfg)
+    with pytest.raises(GlanceError, match="different run"):
+        train(target, replace(cfg, block_size=3, resume=True))
+    vlm, _, _ = tiny_target("qwen2_vl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "What is it?", "images": ["missing.png"]}) + "\n")
+    with pytest.raises(GlanceError, match="missing.png"):
+        train(vlm, replace(cfg, out=str(tmp_path / "v"), prompts=str(bad), images=str(tmp_path)))
+
+
+def test_tiny_vlm_trains_end_to_end_with_images(tmp_path):
+    target, _, _ = tiny_target("qwen2_5_vl")
+    prompts = write_prompts(tmp_path / "vlm.jsonl", with_images=True)
+    cfg = small_cfg(tmp_path, "vlm", prompts=str(prompts), images=str(tmp_path))
+    drafter, result = train(target, cfg)
+    assert result["overall"]["rounds"] > 0
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "vlm" / "features" / "part-00000.safetensors", "pt") as f:
+        rows = json.loads(f.metadata()["rows"])
+        ids = f.get_tensor(f"{rows[0]['key']}.ids")
+    assert (ids == target.parts.image_token_id).sum() > 0  # image positions are in the context
+
+
+def test_data_parallel_two_processes_matches_one(tmp_path):
+    model, processor = make_tiny("llama")
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    prompts = write_prompts(tmp_path / "p.jsonl")
+    args = ["--target", str(folder), "--prompts", str(prompts), "--num-layers", "1", "--block-size", "4",
+            "--response-tokens", "16", "--response-batch", "4", "--steps", "4", "--batch-size", "4",
+            "--blocks-per-seq", "4", "--save-every", "2", "--eval-per-kind", "1", "--eval-budget", "4", "--no-bf16"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "glance_rt.train", "--out", str(tmp_path / "one"), *args],
+                         env=env, capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", "29517", "-m", "glance_rt.train", "--out", str(tmp_path / "two"), *args],
+                         env=env, capture_output=True, text=True)
+    assert two.returncode == 0, two.stderr[-3000:]
+    w1, w2 = weights(tmp_path / "one" / "drafter"), weights(tmp_path / "two" / "drafter")
+    for k in w1:
+        torch.testing.assert_close(w1[k].float(), w2[k].float(), rtol=0, atol=2e-2)  # bf16 files
+    assert not torch.equal(w1["fc.weight"], weights(tmp_path / "one" / "checkpoints" / "step-000002")["fc.weight"]
+                           .bfloat16())
