@@ -18,6 +18,7 @@ import argparse
 import ast
 import gzip
 import hashlib
+import inspect
 import json
 import keyword
 import math
@@ -33,13 +34,18 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from glance_rt.errors import GlanceError
+
+if TYPE_CHECKING:
+    from PIL.Image import Image as PILImage
 
 KINDS = ("extraction", "conversion", "grounded_qa", "code", "chat")
 SPLITS = ("train", "heldout")
 HELDOUT_FRACTION = 0.15
 MAX_PROMPT_CHARS = 1200
+MAX_PROMPT_TOKENS = 270  # by approx_tokens(); about 300 real SmolLM2 tokens at worst for most prompts
 MAX_DOC_CHARS = 850
 MIN_DOC_CHARS = 150
 IMAGE_SIZE = (224, 224)
@@ -86,11 +92,11 @@ _LICENSE = re.compile(
     r"permission is hereby granted|without any warranty|general public license|redistribution and use|"
     r"licensed under|is free software|all rights reserved|merchantability|warranties|copyright \(c\)|"
     r"spdx-license|free software foundation|the above copyright notice|apache license|"
-    r"you may not use this file|copyleft|mozilla public license",
-    re.I,
+    r"you may not use this file|copyleft|mozilla public license"
 )
 _JUNK = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\ufffd\u2028\u2029]")
-_SENTENCE_END = re.compile(r"[a-z]{2,}[.!?]$")
+_TOKEN_PIECE = re.compile(r"[A-Za-z]{1,8}|\d|[^\sA-Za-z\d]|\n")
+_SENTENCE_END = re.compile(r"[a-z]{2}[.!?]$")
 _NON_LETTER = re.compile(r"[\W\d_]+")
 _RULE_LINE = re.compile(r"\s*[-=~#*_+|.]{3,}\s*")
 _LIST_ITEM = re.compile(r"\s*([-*+•]|\d+[.)])\s")
@@ -116,7 +122,7 @@ def is_clean(text: str) -> bool:
 
 def is_license(text: str) -> bool:
     """True when the text looks like license or copyright boilerplate."""
-    return _LICENSE.search(text) is not None
+    return _LICENSE.search(text.lower()) is not None
 
 
 def reflow(paragraph: str) -> str:
@@ -134,6 +140,11 @@ def sentences(text: str) -> list[str]:
         else:
             out.append(part)
     return [s for s in out if s]
+
+
+def approx_tokens(text: str) -> int:
+    """A tokenizer-free token estimate: word pieces of up to 8 letters, single digits and symbols, newlines."""
+    return len(_TOKEN_PIECE.findall(text))
 
 
 def trim_sentences(text: str, limit: int) -> str | None:
@@ -154,7 +165,7 @@ def _is_prose(raw: str) -> bool:
     words = text.split()
     if len(words) < 25 or len(text) < MIN_DOC_CHARS or len(text) - len(words) > 9 * len(words):
         return False
-    if not _SENTENCE_END.search(text) or any(tok in text for tok in _NOT_PROSE):
+    if not _SENTENCE_END.search(text[-20:]) or any(tok in text for tok in _NOT_PROSE):
         return False
     if len(_NON_LETTER.sub("", text)) < 0.75 * (len(text) - len(words) + 1):
         return False
@@ -243,7 +254,10 @@ def _function_doc(node: _Func, lines: list[str], source: str, owner: str) -> Doc
     pad = node.col_offset
     body = [ln[pad:] if ln[:pad].strip() == "" else ln for ln in lines[start - 1 : node.end_lineno]]
     src = clean_text("\n".join(body))
-    if not 100 <= len(src) <= MAX_DOC_CHARS or not is_clean(src) or max(map(len, src.split("\n"))) > 110:
+    src_lines = src.split("\n")
+    if not 100 <= len(src) <= MAX_DOC_CHARS or len(src_lines) != len(body) or max(map(len, src_lines)) > 110:
+        return None  # (a changed line count would shift the docstring span)
+    if not is_clean(src):
         return None
     doc = ast.get_docstring(node) or ""
     first = node.body[0]
@@ -257,6 +271,7 @@ def _function_doc(node: _Func, lines: list[str], source: str, owner: str) -> Doc
     defaults += [ast.unparse(d) if d is not None else None for d in args.kw_defaults]
     all_args = args.posonlyargs + args.args + args.kwonlyargs + [a for a in (args.vararg, args.kwarg) if a]
     facts = _body_facts(node)
+    stored = facts.pop("stored")
     return Doc(
         source=source,
         kind="function",
@@ -273,7 +288,7 @@ def _function_doc(node: _Func, lines: list[str], source: str, owner: str) -> Doc
             "annotated": node.returns is not None or any(a.annotation is not None for a in all_args),
             "is_method": bool(owner),
             **facts,
-            "locals": sorted((facts.pop("stored") | {a.arg for a in all_args}) - {"self", "cls", "_"}),
+            "locals": sorted((stored | {a.arg for a in all_args}) - {"self", "cls", "_"}),
         },
     )
 
@@ -301,21 +316,20 @@ def _raise_name(node: ast.Raise) -> str:
 
 
 def _signature_docs(tree: ast.Module, source: str) -> list[Doc]:
-    """Groups of 3-6 public top-level function signatures from one module."""
+    """Groups of 3-5 public top-level function signatures from one module."""
     sigs = []
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
             ret = f" -> {ast.unparse(node.returns)}" if node.returns else ""
             line = f"def {node.name}({ast.unparse(node.args)}){ret}"
             if len(line) <= 100:
-                sigs.append((node.name, line, [(a.arg, None) for a in node.args.args]))
+                sigs.append((node.name, line))
     out = []
     for i in range(0, len(sigs) - 2, 5):
         group = sigs[i : i + 5]
         if len(group) >= 3:
             text = "\n".join(s[1] for s in group)
-            meta = {"names": [s[0] for s in group], "lines": [s[1] for s in group]}
-            out.append(Doc(source, "signatures", text, meta))
+            out.append(Doc(source, "signatures", text, {"names": [s[0] for s in group]}))
     return out
 
 
@@ -363,9 +377,9 @@ def _docstring_prose(tree: ast.Module, source: str) -> list[Doc]:
     nodes = [tree] + [n for n in tree.body if isinstance(n, kinds)]
     nodes += [m for n in nodes if isinstance(n, ast.ClassDef) for m in n.body if isinstance(m, kinds)]
     for node in nodes:
-        doc = ast.get_docstring(node)
-        if doc:
-            out += [Doc(source, "prose", p) for p in prose_passages(doc)]
+        doc = ast.get_docstring(node, clean=False)
+        if doc and len(doc) >= MIN_DOC_CHARS:
+            out += [Doc(source, "prose", p) for p in prose_passages(inspect.cleandoc(doc))]
     return _spread(out, _PER_FILE_PROSE)
 
 
@@ -407,10 +421,15 @@ _CL_SIGN = re.compile(r"^ -- (.+?) <([^>]+)>  (.+)$")
 _PROSE_FILE = re.compile(r"^(README|NEWS|FAQ|TODO|THANKS|AUTHORS|USAGE)[^/]*$|\.(txt|md|rst)(\.gz)?$", re.I)
 
 
-def changelog_entries(text: str) -> list[dict]:
-    """Entries of a Debian changelog: package, version, distribution, urgency, changes, author, email, date, text."""
+def changelog_entries(text: str, limit: int | None = None) -> list[dict]:
+    """The first ``limit`` (default all) entries of a Debian changelog.
+
+    Each entry has package, version, distribution, urgency, changes, author, email, date and text.
+    """
     entries, cur = [], None
     for line in text.split("\n"):
+        if limit is not None and len(entries) >= limit:
+            break
         head = _CL_HEAD.match(line)
         if head:
             cur = dict(zip(("package", "version", "distribution", "urgency"), head.groups(), strict=True), lines=[line])
@@ -441,7 +460,7 @@ def _changelog_changes(text: str) -> list[str]:
 def _changelog_docs(path: Path, source: str) -> list[Doc]:
     """Short, clean entries (at most three) of a Debian changelog."""
     out = []
-    for entry in changelog_entries(clean_text(_read_text(path, 24_000) or ""))[:3]:
+    for entry in changelog_entries(clean_text(_read_text(path, 8_000) or ""), limit=3):
         if MIN_DOC_CHARS <= len(entry["text"]) <= MAX_DOC_CHARS and entry["changes"] and is_clean(entry["text"]):
             out.append(Doc(source, "changelog", entry["text"], entry))
     return out
@@ -889,10 +908,15 @@ _JSON_EXTRAS = ("", " Output only the JSON.", " Use lowercase keys with undersco
                 " Make numbers JSON numbers, not strings.")
 
 
+def _join(items: list[str]) -> str:
+    """`a`, `b` and `c` (items quoted as code)."""
+    quoted = [f"`{item}`" for item in items]
+    return ", ".join(quoted[:-1]) + f" and {quoted[-1]}" if len(quoted) > 1 else quoted[0]
+
+
 def _keys(names: Iterable[str]) -> str:
     """A human list of snake_case keys: `a`, `b` and `c`."""
-    keys = [f"`{n.lower().replace('-', '_')}`" for n in names]
-    return ", ".join(keys[:-1]) + f" and {keys[-1]}" if len(keys) > 1 else keys[0]
+    return _join([n.lower().replace("-", "_") for n in names])
 
 
 @_template("conversion", "record")
@@ -1151,11 +1175,15 @@ def _cd_from_docstring(doc: Doc, rng: random.Random) -> str | None:
     params = [p for p, _ in m["params"] if p not in ("self", "cls")]
     sig = m["signature"].removeprefix("self, ").removeprefix("self").removeprefix("cls, ").removeprefix("cls")
     ret = f" -> {m['returns']}" if m["returns"] else ""
-    extra = rng.choice(("", " Include a docstring.", " Use only the standard library.", ""))
+    extra = rng.choice(("", "Include a docstring.", "Use only the standard library.", ""))
     head = rng.choice((f"Write a Python function `{m['name']}({sig}){ret}` that does the following:",
-                       f"Implement `{m['name']}` in Python. Its parameters are {', '.join(params) or 'none'}. "
-                       "Specification:"))
-    return f"{head}\n\n{desc}\n{extra}".rstrip()
+                       f"Implement `{m['name']}` in Python. {_takes(params)} Specification:"))
+    return "\n\n".join(part for part in (head, desc, extra) if part)
+
+
+def _takes(params: list[str]) -> str:
+    """'It takes no parameters.' / 'It takes the parameters `a` and `b`.'"""
+    return f"It takes the parameters {_join(params)}." if params else "It takes no parameters."
 
 
 _MUTATIONS = ((" == ", " != "), (" != ", " == "), (" < ", " <= "), (" > ", " >= "), (" <= ", " < "),
@@ -1228,7 +1256,7 @@ def _cd_stubs(doc: Doc, rng: random.Random) -> str:
 @_template("code", "task", weight=1.2)
 def _cd_task(doc: Doc, rng: random.Random) -> str:
     head = rng.choice((f"Write a Python function `{doc.meta['fname']}` that", "Write a Python function that",
-                       "Implement a function in Python that", "Can you write Python code that"))
+                       "Implement a function in Python that", "Write Python code that"))
     return f"{head} {doc.meta['task']}.{rng.choice(_CODE_EXTRAS)}"
 
 
@@ -1260,7 +1288,7 @@ def _ch_topic(doc: Doc, rng: random.Random) -> str:
         f"What mistakes do beginners often make with {t}?",
         f"Give me a simple {rng.choice((3, 5, 7))}-step plan for {t}.",
         f"Write a short, encouraging note to a friend who is new to {t}.",
-    ), context=True))
+    )), context=True)
 
 
 @_template("chat", "chat_concept")
@@ -1300,7 +1328,7 @@ def _ch_advice(doc: Doc, rng: random.Random) -> str:
     return _chat(rng, rng.choice((
         f"I'm feeling {rng.choice(_FEELINGS)} about {s}. Any advice?", f"How can I prepare for {s}?",
         f"My friend is dealing with {s}. How can I support them?", f"Give me a pep talk about {s}.",
-    ), context=True))
+    )), context=True)
 
 
 @_template("chat", "chat_pair")
@@ -1319,7 +1347,7 @@ def _ch_ideas(doc: Doc, rng: random.Random) -> str:
     return _chat(rng, rng.choice((
         f"Give me {rng.choice(('three', 'five', 'a few'))} ideas for {o}.", f"What could I cook for {o}?",
         f"Suggest some games or activities for {o}.", f"Write a short invitation for {o}.",
-    ), context=True))
+    )), context=True)
 
 
 @_template("chat", "chat_place")
@@ -1329,7 +1357,7 @@ def _ch_travel(doc: Doc, rng: random.Random) -> str:
         f"Plan a {rng.choice((2, 3, 4, 5))}-day trip to {p}.", f"What should I pack for a trip to {p}?",
         f"What is {p} famous for?", f"Write a short postcard message from {p}.",
         f"Recommend things to do in {p} for someone who likes {rng.choice(_TOPICS)}.",
-    ), context=True))
+    )), context=True)
 
 
 @_template("chat", "chat_whatif")
@@ -1368,6 +1396,11 @@ def heldout_count(per_kind: int) -> int:
     return max(1, math.ceil(per_kind * HELDOUT_FRACTION))
 
 
+def _fits(prompt: str) -> bool:
+    """True when a prompt is within the character and (estimated) token limits."""
+    return len(prompt) <= MAX_PROMPT_CHARS and approx_tokens(prompt) <= MAX_PROMPT_TOKENS
+
+
 def _generate(kind: str, split: str, n: int, pools: dict[str, list[Doc]], seed: int, seen: set[str]) -> list[dict]:
     """``n`` distinct prompts of one kind and split, cycling through the kind's templates."""
     rng = random.Random(f"glance-corpus:{seed}:{kind}:{split}")
@@ -1381,7 +1414,7 @@ def _generate(kind: str, split: str, n: int, pools: dict[str, list[Doc]], seed: 
         fn, pool, _ = rng.choices(templates, weights)[0]
         doc = pool[rng.randrange(len(pool))]
         prompt = fn(doc, rng)
-        if prompt is None or len(prompt) > MAX_PROMPT_CHARS or prompt in seen:
+        if prompt is None or prompt in seen or not _fits(prompt):
             continue
         seen.add(prompt)
         rows.append({"kind": kind, "split": split, "prompt": prompt, "source": doc.source})
@@ -1425,6 +1458,7 @@ def write_corpus(path: str | os.PathLike, rows: Iterable[dict]) -> Path:
         with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
             for row in rows:
                 fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a shipped data file should be world-readable
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -1570,7 +1604,7 @@ def _img_shapes(rng: random.Random, draw, font) -> tuple[str, str, str]:
     return "grounded_qa", prompt, "shapes"
 
 
-def make_image_prompts(n: int, seed: int = 0) -> list[tuple[dict, object]]:
+def make_image_prompts(n: int, seed: int = 0) -> list[tuple[dict, PILImage]]:
     """``n`` (row, PIL image) pairs cycling through rendered text, tables, bar charts and shapes.
 
     Images are IMAGE_SIZE RGB renders using PIL's default font; about one in seven groups of four is held out.

@@ -127,6 +127,8 @@ def prepare_out(cfg: TrainConfig, target, rank: int) -> Path:
     meta = {"target": target.name, "vocab": target.vocab_size, "hidden": target.text_config.hidden_size,
             "config": json.loads(json.dumps(cfg.identity()))}
     run_file = out / "run.json"
+    if rank != 0:  # rank 0 checks and creates the folder; the others wait at the barrier
+        return out
     if run_file.exists():
         try:
             old = json.loads(run_file.read_text())
@@ -140,7 +142,7 @@ def prepare_out(cfg: TrainConfig, target, rank: int) -> Path:
             raise GlanceError(f"{out} holds a different run ({old} != {meta}); pick another --out")
     elif out.exists() and any(out.iterdir()):
         raise GlanceError(f"{out} is not empty and holds no glance-rt run: pick an empty or new --out folder")
-    elif rank == 0:
+    else:
         atomic_write(run_file, lambda p: p.write_text(json.dumps(meta, indent=2)))
     return out
 
@@ -169,8 +171,10 @@ def _generate_batch(target, rows: list[dict], cfg: TrainConfig) -> list[dict]:
     model, out = target.hf_model, []
     eos = target.eos_token_ids
     encoded = [target.encode_chat(r["prompt"], open_images(r, cfg.images)) for r in rows]
-    groups = [[e] for e in encoded] if target.is_vlm else _parts(encoded, cfg.response_batch)
-    answers = []
+    order = sorted(range(len(encoded)), key=lambda i: encoded[i]["input_ids"].shape[1])  # less padding
+    groups = [[encoded[i]] for i in order] if target.is_vlm else _parts([encoded[i] for i in order], cfg.response_batch)
+    answers = {}
+    slot = iter(order)
     for group in groups:
         if target.is_vlm:
             inputs = group[0]
@@ -188,9 +192,9 @@ def _generate_batch(target, rows: list[dict], cfg: TrainConfig) -> list[dict]:
                                  eos_token_id=sorted(eos) or None, pad_token_id=target.tokenizer.pad_token_id)
         for row in gen[:, inputs["input_ids"].shape[1] :].tolist():
             cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-            answers.append(row[:cut])
-    for r, e, a in zip(rows, encoded, answers, strict=True):
-        out.append({**r, "prompt_ids": e["input_ids"][0].tolist(), "response_ids": a})
+            answers[next(slot)] = row[:cut]
+    for k, (r, e) in enumerate(zip(rows, encoded, strict=True)):
+        out.append({**r, "prompt_ids": e["input_ids"][0].tolist(), "response_ids": answers[k]})
     return out
 
 

@@ -40,6 +40,7 @@ def test_rows_are_well_formed(rows):
         assert list(r) == ["id", "kind", "split", "prompt", "source"]
         assert r["id"].startswith(r["kind"] + "-")
         assert 0 < len(r["prompt"]) <= corpus.MAX_PROMPT_CHARS
+        assert corpus.approx_tokens(r["prompt"]) <= corpus.MAX_PROMPT_TOKENS
         assert corpus.is_clean(r["prompt"])
         assert (r["source"] == "") == (r["kind"] == "chat") or r["kind"] == "code"
     grounded = [len(r["prompt"]) for r in rows if r["kind"] in ("extraction", "conversion", "grounded_qa")]
@@ -147,6 +148,6 @@ def test_text_helpers():
     assert corpus.clean_text("a\tb  \r\n\n\n\nc\x00") == "a   b\n\nc"
     assert corpus.is_license("Permission is hereby granted, free of charge")
     assert not corpus.is_clean("bad \ufffd byte")
-    text = "pkg (1.0-1) unstable; urgency=low\n\n  * Fix a thing\n    more.\n\n -- A B <a@b.c>  Mon, 01 Jan 2024 00:00:00 +0000"
+    text = "pkg (1.0-1) unstable; urgency=low\n\n  * Fix a thing\n    more.\n\n -- A B <a@b.c>  Mon, 01 Jan 2024 10:00"
     (entry,) = corpus.changelog_entries(text)
     assert entry["version"] == "1.0-1" and entry["changes"] == ["Fix a thing more."] and entry["email"] == "a@b.c"
