@@ -98,11 +98,12 @@ def generate(target_path, drafter_path, images, prompt, max_new_tokens, tree_bud
 @click.option("--eval-per-kind", default=8, show_default=True, type=int)
 @click.option("--eval-budget", default=32, show_default=True, type=int)
 @click.option("--limit", default=None, type=int, help="Use only the first N prompts (smoke runs).")
+@click.option("--per-kind", default=None, type=int, help="Train on at most N prompts of each kind.")
 @click.option("--no-bf16", is_flag=True, help="Keep the frozen lm_head copy in fp32 for the loss.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its last complete stage/checkpoint.")
 def train(target_path, prompts, images, out, num_layers, block_size, target_layer_ids, response_tokens,
           response_batch, steps, batch_size, blocks_per_seq, lr, gamma, seed, save_every, eval_every,
-          eval_per_kind, eval_budget, limit, no_bf16, resume):
+          eval_per_kind, eval_budget, limit, per_kind, no_bf16, resume):
     """Train a GLANCE drafter for a target by self-distillation (resumable; torchrun for data parallel)."""
     try:
         import glance_rt
@@ -114,7 +115,8 @@ def train(target_path, prompts, images, out, num_layers, block_size, target_laye
                           target_layer_ids=ids, response_tokens=response_tokens, response_batch=response_batch,
                           steps=steps, batch_size=batch_size, blocks_per_seq=blocks_per_seq, lr=lr, gamma=gamma,
                           seed=seed, save_every=save_every, eval_every=eval_every, eval_per_kind=eval_per_kind,
-                          eval_budget=eval_budget, limit=limit, bf16=not no_bf16, resume=resume)
+                          eval_budget=eval_budget, limit=limit, per_kind=per_kind, bf16=not no_bf16,
+                          resume=resume)
         target = glance_rt.load_target(target_path)
         _, result = run_training(target, cfg)
     except GlanceError as e:

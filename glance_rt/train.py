@@ -55,12 +55,13 @@ class TrainConfig:
     eval_budget: int = 32
     eval_tokens: int = 128
     limit: int | None = None  # use only the first N prompts (smoke runs)
+    per_kind: int | None = None  # train on at most N prompts of each kind (held-out prompts are never trained on)
     resume: bool = False
 
     def identity(self) -> dict:
         """What must match for --resume to continue a run in the same folder."""
         keys = ("prompts", "images", "num_layers", "block_size", "target_layer_ids", "response_tokens",
-                "max_seq_len", "seed", "limit")
+                "max_seq_len", "seed", "limit", "per_kind")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -74,6 +75,7 @@ def atomic_write(path: Path, write) -> None:
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -156,6 +158,17 @@ def load_rows(cfg: TrainConfig) -> list[dict]:
         row.setdefault("kind", "default")
         row.setdefault("split", "train")
     return rows[: cfg.limit] if cfg.limit else rows
+
+
+def training_rows(rows: list[dict], per_kind: int | None) -> list[dict]:
+    """The prompts responses and features are made for: the train split, at most `per_kind` of each kind."""
+    seen: dict[str, int] = {}
+    out = []
+    for r in rows:
+        if r["split"] == "train" and (per_kind is None or seen.get(r["kind"], 0) < per_kind):
+            seen[r["kind"]] = seen.get(r["kind"], 0) + 1
+            out.append(r)
+    return out
 
 
 def _parts(rows: list, size: int = PART_SIZE) -> list[list]:
@@ -533,10 +546,11 @@ def train(target, cfg: TrainConfig):
         raise GlanceError(f"target_layer_ids {layer_ids} outside the target's {n_target} layers")
     cfg = replace(cfg, target_layer_ids=layer_ids)
     rows = load_rows(cfg)
+    train_rows = training_rows(rows, cfg.per_kind)
     out = prepare_out(cfg, target, rank)
     _barrier(world)
-    stage_responses(target, rows, cfg, out, rank, world)
-    n_parts = len(_parts(rows))
+    stage_responses(target, train_rows, cfg, out, rank, world)
+    n_parts = len(_parts(train_rows))
     stage_features(target, cfg, out, layer_ids, rank, world, n_parts)
 
     def evaluate(drafter, per_kind=cfg.eval_per_kind, quiet=False):
