@@ -1627,6 +1627,19 @@ def make_image_prompts(n: int, seed: int = 0) -> list[tuple[dict, PILImage]]:
     return out
 
 
+def save_image_prompts(n: int, image_dir: str | os.PathLike, seed: int = 0) -> list[dict]:
+    """`make_image_prompts` saved for training a VLM drafter: PNGs in `image_dir`, rows whose
+    `images` hold the file names (relative to `image_dir`, as `glance-rt train --images` expects)."""
+    image_dir = Path(image_dir)
+    image_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for row, image in make_image_prompts(n, seed):
+        name = f"{row['id']}.png"
+        image.save(image_dir / name)
+        rows.append({**row, "images": [name]})
+    return rows
+
+
 # --------------------------------------------------------------------------- command line
 
 
@@ -1636,13 +1649,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(default_corpus_path()), help="output JSONL path")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--per-kind", type=int, default=500, help="prompts per kind (train + held-out)")
+    ap.add_argument("--images", type=int, default=0, help="also add N rendered-image prompts (for VLM targets)")
+    ap.add_argument("--image-dir", default=None, help="where the rendered images go (with --images)")
     args = ap.parse_args(argv)
+    if args.images and not args.image_dir:
+        ap.error("--images needs --image-dir")
     start = time.perf_counter()
     try:
         rows = build_corpus(seed=args.seed, per_kind=args.per_kind)
     except GlanceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if args.images:
+        rows += save_image_prompts(args.images, args.image_dir, args.seed)
     path = write_corpus(args.out, rows)
     for kind in KINDS:
         counts = {s: sum(r["kind"] == kind and r["split"] == s for r in rows) for s in SPLITS}

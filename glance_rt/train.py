@@ -411,17 +411,26 @@ def latest_checkpoint(out: Path) -> Checkpoint | None:
 
 
 def save_checkpoint(drafter, opt, step: int, out: Path, keep: int = 2) -> None:
+    """Write `checkpoints/step-N/` (drafter folder + optimizer state) via a temp folder and a
+    rename; on failure (disk full) the previous checkpoints stay intact and nothing partial remains."""
     from glance_rt.drafter import save_drafter
 
     final = out / "checkpoints" / f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=".ckpt.", dir=out))
-    save_drafter(drafter, tmp / "d", dtype=torch.float32)
-    torch.save({"step": step, "optimizer": opt.state_dict()}, tmp / "d" / "trainer.pt")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp / "d", final)
-    shutil.rmtree(tmp, ignore_errors=True)
-    old = sorted((out / "checkpoints").glob("step-*"))[:-keep]
-    for p in old:
+    try:
+        save_drafter(drafter, tmp / "d", dtype=torch.float32)
+        torch.save({"step": step, "optimizer": opt.state_dict()}, tmp / "d" / "trainer.pt")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp / "d", final)
+    except OSError as e:
+        last = latest_checkpoint(out)
+        raise GlanceError(
+            f"could not write checkpoint {final} ({e}); the last complete checkpoint "
+            f"({last.path if last else 'none'}) is intact: free space and rerun with --resume"
+        ) from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for p in sorted((out / "checkpoints").glob("step-*"))[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
 
 

@@ -147,9 +147,14 @@ def test_refuses_other_runs_and_bad_images(tmp_path):
 
 
 def test_tiny_vlm_trains_end_to_end_with_images(tmp_path):
+    """Rendered-image prompts from the corpus (text, tables, charts, shapes) through the processor."""
+    from glance_rt.corpus import save_image_prompts, write_corpus
+
     target, _, _ = tiny_target("qwen2_5_vl")
-    prompts = write_prompts(tmp_path / "vlm.jsonl", with_images=True)
-    cfg = small_cfg(tmp_path, "vlm", prompts=str(prompts), images=str(tmp_path))
+    rows = save_image_prompts(8, tmp_path / "imgs")
+    rows[-1]["split"] = rows[-2]["split"] = "heldout"
+    prompts = write_corpus(tmp_path / "vlm.jsonl", rows)
+    cfg = small_cfg(tmp_path, "vlm", prompts=str(prompts), images=str(tmp_path / "imgs"))
     drafter, result = train(target, cfg)
     assert result["overall"]["rounds"] > 0
     from safetensors import safe_open
@@ -186,3 +191,29 @@ def test_data_parallel_two_processes_matches_one(tmp_path):
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], rtol=0, atol=2e-5)
     assert max((w1[k] - w0[k]).abs().max().item() for k in w1) > 5e-3  # and training moved the weights
+
+
+def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
+    import errno
+
+    import glance_rt.train as tm
+
+    target, _, _ = tiny_target("llama")
+    cfg = small_cfg(tmp_path, "full")
+    real_save = torch.save
+
+    def save(obj, path, *a, **k):
+        if isinstance(obj, dict) and obj.get("step") == 6:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(tm.torch, "save", save)
+    with pytest.raises(GlanceError, match="step-000003.*intact.*--resume"):
+        train(target, cfg)
+    out = tmp_path / "full"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000003"]
+    assert glance_rt.load_drafter(out / "checkpoints" / "step-000003", target) is not None
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp leftovers
+    monkeypatch.setattr(tm.torch, "save", real_save)
+    train(target, replace(cfg, resume=True))
+    assert (out / "drafter" / "model.safetensors").exists()
