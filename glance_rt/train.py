@@ -16,7 +16,7 @@ import math
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -434,12 +434,6 @@ def save_checkpoint(drafter, opt, step: int, out: Path, keep: int = 2) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-@dataclass
-class TrainState:
-    losses: list = field(default_factory=list)
-    taus: list = field(default_factory=list)
-
-
 def stage_train(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world: int, n_parts: int, evaluate):
     from glance_rt.drafter import init_drafter, read_drafter
 
@@ -517,7 +511,9 @@ def evaluate_tau(target, drafter, rows: list[dict], cfg: TrainConfig, per_kind: 
     real decoder and the given tree budget."""
     from glance_rt.decoder import Decoder
 
-    drafter = drafter.to(target.dtype)
+    import copy
+
+    drafter = copy.deepcopy(drafter).to(target.dtype).eval().requires_grad_(False)  # never touch the trained one
     held: dict[str, list] = {}
     for r in rows:
         if r["split"] == "heldout" and len(held.setdefault(r["kind"], [])) < per_kind:
