@@ -509,9 +509,9 @@ def stage_train(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world
 def evaluate_tau(target, drafter, rows: list[dict], cfg: TrainConfig, per_kind: int, quiet: bool = False) -> dict:
     """Mean accepted length (tokens committed per round) on held-out prompts, per kind, with the
     real decoder and the given tree budget."""
-    from glance_rt.decoder import Decoder
-
     import copy
+
+    from glance_rt.decoder import Decoder
 
     drafter = copy.deepcopy(drafter).to(target.dtype).eval().requires_grad_(False)  # never touch the trained one
     held: dict[str, list] = {}
