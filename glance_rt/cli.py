@@ -127,6 +127,63 @@ def train(target_path, prompts, images, out, num_layers, block_size, target_laye
                    + ", ".join(f"{k} {v['tau']:.2f}" for k, v in result["kinds"].items()))
 
 
+@main.command()
+@click.option("--target", "target_path", type=click.Path(), default=None,
+              help="Local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
+@click.option("--drafter", "drafter_path", type=click.Path(), default=None, help="Drafter folder.")
+@click.option("--suite", default="all", show_default=True,
+              help="'all', a task kind (held-out prompts of the shipped corpus), or a JSONL file.")
+@click.option("--per-kind", default=8, show_default=True, type=int, help="At most N prompts of each kind.")
+@click.option("--images", type=click.Path(), default=None, help="Folder the suite's image paths are relative to.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--tree-budget", default=32, show_default=True, type=int)
+@click.option("--chain", is_flag=True)
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--threshold", default=None, type=float,
+              help="Fail only on divergences whose top-1/top-2 margin exceeds this (default: any divergence).")
+@click.option("--json", "json_out", type=click.Path(), default=None, help="Write the per-prompt report here.")
+def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, tree_budget, chain, dtype, device,
+          threshold, json_out):
+    """Check every output against HF greedy decoding; exit 1 on a divergence (above --threshold)."""
+    import json
+
+    from glance_rt import audit as audit_mod
+    from glance_rt.decoder import Decoder
+    from glance_rt.suites import suite_rows
+
+    try:
+        target, drafter = _load(target_path, drafter_path, dtype, device)
+        rows = suite_rows(suite, per_kind)
+        dec = Decoder(target, drafter, tree_budget=tree_budget, chain=chain, max_length=4096)
+        results = []
+        try:
+            for r in audit_mod.audit(target, dec, rows, max_new_tokens, images):
+                results.append(r)
+                line = "exact" if r.exact else (f"DIVERGES at token {r.divergence}: expected {r.expected}, "
+                                                f"got {r.got}, margin {r.margin:.4f}")
+                click.echo(f"{r.id:<20} {r.kind:<12} {line}")
+        except KeyboardInterrupt:
+            click.echo("[audit] interrupted: reporting what was checked", err=True)
+    except GlanceError as e:
+        raise click.ClickException(str(e)) from e
+    bad = audit_mod.failures(results, threshold)
+    exact = sum(r.exact for r in results)
+    click.echo(f"[audit] {exact}/{len(results)} exact; {len(bad)} failing divergence(s) "
+               f"({'any divergence fails' if threshold is None else f'margin > {threshold}'}); dtype {dtype}")
+    if json_out:
+        from pathlib import Path
+
+        from glance_rt.train import atomic_write
+
+        report = audit_mod.to_json(results, {"target": target.name, "dtype": dtype, "threshold": threshold,
+                                             "tree_budget": tree_budget, "chain": chain,
+                                             "drafter": drafter_path or ("default" if drafter else None)})
+        atomic_write(Path(json_out), lambda p: p.write_text(json.dumps(report, indent=2)))
+    if bad:
+        raise SystemExit(1)
+
+
 def _open_image(path):
     from PIL import Image, UnidentifiedImageError
 

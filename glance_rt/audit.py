@@ -1,0 +1,80 @@
+"""`glance-rt audit`: is every output exactly the target's greedy output?
+
+Per prompt: glance-rt's tokens vs Hugging Face `generate(do_sample=False)` in the same dtype. An
+exact match, or the first divergence with the target's top-1/top-2 logit margin there (computed by
+the HF model on the reference prefix). A divergence at a clear margin is a bug; in bf16/fp16 a
+divergence at a near-tie is the known effect of batched vs one-token kernels.
+"""
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AuditRow:
+    id: str
+    kind: str
+    exact: bool
+    tokens: int  # glance-rt tokens
+    reference_tokens: int
+    divergence: int | None = None  # index of the first differing new token
+    margin: float | None = None  # target's top-1 minus top-2 logit at that position
+    expected: int | None = None  # HF's token there
+    got: int | None = None  # glance-rt's token there
+
+
+def first_divergence(ours: list[int], ref: list[int]) -> int | None:
+    for i, (a, b) in enumerate(zip(ours, ref, strict=False)):
+        if a != b:
+            return i
+    return None if len(ours) == len(ref) else min(len(ours), len(ref))
+
+
+def margin_at(target, inputs: dict, prefix: list[int]) -> float:
+    """Top-1 minus top-2 logit of the HF model after prompt + prefix."""
+    from glance_rt.arch import extend_inputs
+
+    with torch.inference_mode():
+        logits = target.hf_model(**extend_inputs(inputs, prefix)).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def audit_prompt(target, decoder, row: dict, inputs: dict, max_new_tokens: int) -> AuditRow:
+    with torch.inference_mode():
+        gen = target.hf_model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens,
+                                       eos_token_id=sorted(target.eos_token_ids) or None)
+    ref = gen[0, inputs["input_ids"].shape[1]:].tolist()
+    ours = decoder.generate(max_new_tokens=max_new_tokens, **inputs).token_ids
+    i = first_divergence(ours, ref)
+    base = dict(id=str(row.get("id", "")), kind=str(row.get("kind", "")), tokens=len(ours),
+                reference_tokens=len(ref))
+    if i is None:
+        return AuditRow(exact=True, **base)
+    margin = margin_at(target, inputs, ref[:i])
+    return AuditRow(exact=False, divergence=i, margin=margin, expected=ref[i] if i < len(ref) else None,
+                    got=ours[i] if i < len(ours) else None, **base)
+
+
+def audit(target, decoder, rows: list[dict], max_new_tokens: int, images_dir=None, progress: bool = True):
+    """Audit every row; yields AuditRow as it goes (so an interrupted audit keeps what it has)."""
+    from tqdm.auto import tqdm
+
+    from glance_rt.train import open_images
+
+    for row in tqdm(rows, desc="audit", disable=not progress, dynamic_ncols=True):
+        inputs = target.encode_chat(row["prompt"], open_images(row, images_dir))
+        yield audit_prompt(target, decoder, row, inputs, max_new_tokens)
+
+
+def failures(results: list[AuditRow], threshold: float | None) -> list[AuditRow]:
+    """Divergences that count as failures: any (threshold None, the fp32 gate), else those whose
+    margin exceeds the threshold."""
+    bad = [r for r in results if not r.exact]
+    return bad if threshold is None else [r for r in bad if r.margin is None or r.margin > threshold]
+
+
+def to_json(results: list[AuditRow], meta: dict) -> dict:
+    return {"schema": "glance-rt/audit/1", **meta, "exact": sum(r.exact for r in results),
+            "total": len(results), "rows": [asdict(r) for r in results]}
