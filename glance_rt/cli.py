@@ -184,6 +184,43 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, tr
         raise SystemExit(1)
 
 
+@main.command()
+@click.option("--target", "target_path", type=click.Path(), default=None,
+              help="Local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
+@click.option("--drafter", "drafter_path", type=click.Path(), default=None, help="Drafter folder.")
+@click.option("--suite", default="all", show_default=True,
+              help="'all', a task kind (held-out prompts of the shipped corpus), or a JSONL file.")
+@click.option("--per-kind", default=4, show_default=True, type=int, help="At most N prompts of each kind.")
+@click.option("--images", type=click.Path(), default=None, help="Folder the suite's image paths are relative to.")
+@click.option("--methods", default=",".join(("ar", "chain", "tree-8", "tree-16", "tree-32", "tree-64", "hf",
+                                             "hf-lookup")), show_default=True, help="Comma-separated methods.")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--warmup", default=1, show_default=True, type=int, help="Prompts run untimed first.")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--json", "json_out", type=click.Path(), default=None, help="Machine-readable report.")
+@click.option("--report", "report_md", type=click.Path(), default=None, help="Markdown report.")
+@click.option("--plots", "plot_dir", type=click.Path(), default=None, help="Folder for PNG plots.")
+def bench(target_path, drafter_path, suite, per_kind, images, methods, max_new_tokens, warmup, dtype, device,
+          json_out, report_md, plot_dir):
+    """Methods side by side in one process, interleaved per prompt, every output checked against HF greedy."""
+    from glance_rt import bench as bench_mod
+    from glance_rt.suites import suite_rows
+
+    try:
+        target, drafter = _load(target_path, drafter_path, dtype, device)
+        rows = suite_rows(suite, per_kind)
+        cfg = bench_mod.BenchConfig(methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
+                                    max_new_tokens=max_new_tokens, warmup=warmup)
+        report = bench_mod.run_bench(target, drafter, rows, cfg, images, log=lambda m: click.echo(m, err=True))
+        bench_mod.write_outputs(report, json_out, report_md, plot_dir)
+    except GlanceError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(bench_mod.markdown(report))
+    if report["mismatches"]:
+        raise SystemExit(1)
+
+
 def _open_image(path):
     from PIL import Image, UnidentifiedImageError
 

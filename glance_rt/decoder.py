@@ -21,6 +21,7 @@ PHASES = ("prefill", "draft", "tree", "verify", "commit")
 @dataclass
 class Stats:
     accepted_lengths: list[int] = field(default_factory=list)  # tokens committed per round (incl. bonus)
+    root_entropy: list[float] = field(default_factory=list)  # target's next-token entropy at each round's root
     draft_passes: int = 0
     rounds: int = 0
     prompt_tokens: int = 0
@@ -36,6 +37,12 @@ class GenerateResult:
     token_ids: list[int]
     text: str | None
     stats: Stats
+
+
+def entropy(logits: Tensor) -> float:
+    """Entropy (nats) of softmax(logits) [V]."""
+    lp = torch.log_softmax(logits.float(), -1)
+    return float(-(lp.exp() * lp).sum())
 
 
 class _Clock:
@@ -131,6 +138,7 @@ class Decoder:
             embeds = self.verifier.embed_tokens(tokens)[None]  # [1, N+1, H]
             logits, feats = self.verifier(embeds, self._positions(index, pre.rope_delta), block_start, mask)
             greedy = logits.argmax(-1).cpu().numpy()  # [N+1]
+            stats.root_entropy.append(entropy(logits[0]))
             clock.lap("verify")
             path = accept(tree, greedy)
             run = committed_tokens(tree, greedy, path)

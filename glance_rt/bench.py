@@ -1,0 +1,390 @@
+"""`glance-rt bench`: methods side by side in ONE process, interleaved per prompt, after a warm-up,
+every output checked against Hugging Face greedy decoding.
+
+Methods: `ar` (same-engine autoregression), `chain` (DFlash-style width-1 tree), `tree-N` (GLANCE
+trees of budget N), `hf` (HF `generate` greedy), `hf-lookup` (HF prompt-lookup decoding). Ratios
+are per prompt (same prompt, same tokens) and summarised by their median and quartiles.
+"""
+
+import json
+import math
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from glance_rt.errors import GlanceError
+
+SCHEMA = "glance-rt/bench/1"
+DEFAULT_METHODS = ("ar", "chain", "tree-8", "tree-16", "tree-32", "tree-64", "hf", "hf-lookup")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    max_new_tokens: int = 128
+    warmup: int = 1  # prompts run once per method before timing
+    lookup_tokens: int = 10  # HF prompt_lookup_num_tokens
+    max_length: int = 4096
+
+
+@dataclass
+class Record:
+    prompt: str
+    kind: str
+    method: str
+    seconds: float
+    tokens: int
+    ttft: float
+    matches_hf: bool
+    accepted_lengths: list = field(default_factory=list)
+    root_entropy: list = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+    draft_passes: int = 0
+    peak_mem_mb: float | None = None
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class Skip(Exception):
+    """A method that cannot run on this target (the message says why)."""
+
+
+class _FirstToken:
+    """HF streamer that records when the first new token arrives."""
+
+    def __init__(self, start: float):
+        self.start, self.calls, self.first = start, 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # call 1 is the prompt
+            self.first = time.perf_counter() - self.start
+
+    def end(self):
+        pass
+
+
+def _hf_runner(target, cfg: BenchConfig, lookup: bool):
+    if lookup and target.is_vlm:
+        raise Skip("HF prompt-lookup decoding is run on text models only here (VLM inputs are not supported by it)")
+    kw = {"prompt_lookup_num_tokens": cfg.lookup_tokens} if lookup else {}
+
+    def run(inputs):
+        start = time.perf_counter()
+        streamer = _FirstToken(start)
+        with torch.inference_mode():
+            out = target.hf_model.generate(**inputs, do_sample=False, max_new_tokens=cfg.max_new_tokens,
+                                           eos_token_id=sorted(target.eos_token_ids) or None, streamer=streamer, **kw)
+        seconds = time.perf_counter() - start
+        ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+        return ids, seconds, streamer.first or seconds, None
+
+    return run
+
+
+def _glance_runner(target, drafter, cfg: BenchConfig, method: str):
+    from glance_rt.decoder import Decoder
+
+    if method == "ar":
+        dec = Decoder(target, None, max_length=cfg.max_length)
+    elif drafter is None:
+        raise Skip("needs a drafter (pass --drafter, or use the default target's shipped one)")
+    elif method == "chain":
+        dec = Decoder(target, drafter, chain=True, max_length=cfg.max_length)
+    else:
+        dec = Decoder(target, drafter, tree_budget=int(method.split("-")[1]), max_length=cfg.max_length)
+
+    def run(inputs):
+        start = time.perf_counter()
+        res = dec.generate(max_new_tokens=cfg.max_new_tokens, **inputs)
+        return res.token_ids, time.perf_counter() - start, res.stats.timings["prefill"], res.stats
+
+    return run
+
+
+def make_runner(method: str, target, drafter, cfg: BenchConfig):
+    if method in ("hf", "hf-lookup"):
+        return _hf_runner(target, cfg, lookup=method == "hf-lookup")
+    if method in ("ar", "chain") or (method.startswith("tree-") and method[5:].isdigit()):
+        return _glance_runner(target, drafter, cfg, method)
+    raise GlanceError(f"unknown method {method!r}: use ar, chain, tree-N, hf, hf-lookup")
+
+
+def _peak_mb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process-wide on CPU (KB on Linux)
+
+
+def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=None, progress: bool = True,
+              log=print) -> dict:
+    """Run every method on every prompt, interleaved; returns the report (partial if interrupted)."""
+    from tqdm.auto import tqdm
+
+    from glance_rt.train import open_images
+
+    runners, skipped = {}, {}
+    for m in cfg.methods:
+        try:
+            runners[m] = make_runner(m, target, drafter, cfg)
+        except Skip as e:
+            skipped[m] = str(e)
+            log(f"[bench] skipping {m}: {e}")
+    if "hf" not in runners:
+        raise GlanceError("bench needs the 'hf' method: every output is checked against HF greedy decoding")
+    order = ["hf"] + [m for m in runners if m != "hf"]
+    encoded = [target.encode_chat(r["prompt"], open_images(r, images_dir)) for r in rows]
+    for inputs in encoded[: cfg.warmup]:
+        for m in order:
+            runners[m](inputs)
+    records, mismatches, partial = [], [], False
+    bar = tqdm(total=len(rows) * len(order), desc="bench", disable=not progress, dynamic_ncols=True)
+    try:
+        for i, (row, inputs) in enumerate(zip(rows, encoded, strict=True)):
+            reference = None
+            rest = order[1:]
+            rest = rest[i % len(rest):] + rest[: i % len(rest)] if rest else rest  # rotate: no fixed order bias
+            for m in ["hf", *rest]:
+                if target.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(target.device)
+                ids, seconds, ttft, stats = runners[m](inputs)
+                if m == "hf":
+                    reference = ids
+                ok = ids == reference
+                if not ok:
+                    mismatches.append({"prompt": row["id"], "method": m})
+                    log(f"[bench] !!! MISMATCH: {m} differs from HF greedy on prompt {row['id']} !!!")
+                rec = Record(row["id"], row["kind"], m, seconds, len(ids), ttft, ok,
+                             peak_mem_mb=_peak_mb(target.device))
+                if stats is not None:
+                    rec.accepted_lengths, rec.root_entropy = list(stats.accepted_lengths), list(stats.root_entropy)
+                    rec.timings, rec.draft_passes = dict(stats.timings), stats.draft_passes
+                records.append(rec)
+                bar.update(1)
+    except KeyboardInterrupt:
+        partial = True
+        log("[bench] interrupted: the report covers the prompts finished so far")
+    bar.close()
+    return build_report(records, skipped, mismatches, partial, target, cfg)
+
+
+# ----------------------------------------------------------------------------- summaries
+
+
+def _quartiles(xs: list[float]) -> dict:
+    if not xs:
+        return {"median": None, "p25": None, "p75": None, "n": 0}
+    a = np.asarray(xs, dtype=float)
+    return {"median": float(np.median(a)), "p25": float(np.percentile(a, 25)), "p75": float(np.percentile(a, 75)),
+            "n": len(xs)}
+
+
+def _ratios(records: list[Record], method: str, base: str, kind: str | None = None) -> list[float]:
+    """Per-prompt speed ratios (tokens/s of `method` over tokens/s of `base`)."""
+    by = {(r.prompt, r.method): r for r in records if kind is None or r.kind == kind}
+    return [by[(p, method)].tok_s / by[(p, base)].tok_s for (p, m) in by
+            if m == method and (p, base) in by and by[(p, base)].tok_s > 0]
+
+
+def fit_law(entropy: list[float], accepted: list[int]) -> dict:
+    """Least-squares accepted length = intercept + slope * entropy, with R^2 and n."""
+    n = len(entropy)
+    if n < 3 or float(np.var(entropy)) == 0.0:
+        return {"slope": None, "intercept": None, "r2": None, "n": n}
+    x, y = np.asarray(entropy, float), np.asarray(accepted, float)
+    slope, intercept = np.polyfit(x, y, 1)
+    resid = y - (intercept + slope * x)
+    r2 = 1 - float((resid**2).sum()) / max(float(((y - y.mean()) ** 2).sum()), 1e-12)
+    return {"slope": float(slope), "intercept": float(intercept), "r2": r2, "n": n}
+
+
+def method_summary(records: list[Record], method: str, kind: str | None = None) -> dict:
+    rs = [r for r in records if r.method == method and (kind is None or r.kind == kind)]
+    lens = [n for r in rs for n in r.accepted_lengths]
+    rounds = len(lens)
+    timings = {}
+    for r in rs:
+        for k, v in r.timings.items():
+            timings[k] = timings.get(k, 0.0) + v
+    hist = np.bincount(lens).tolist() if lens else []
+    return {
+        "prompts": len(rs),
+        "tok_s": _quartiles([r.tok_s for r in rs]),
+        "speedup_vs_ar": _quartiles(_ratios(records, method, "ar", kind)),
+        "speedup_vs_hf": _quartiles(_ratios(records, method, "hf", kind)),
+        "tau": float(np.mean(lens)) if lens else None,
+        "tau_hist": hist,
+        "draft_passes_per_round": (sum(r.draft_passes for r in rs) / rounds) if rounds else None,
+        "phase_seconds": timings,
+        "ttft": _quartiles([r.ttft for r in rs]),
+        "peak_mem_mb": max((r.peak_mem_mb or 0.0) for r in rs) if rs else None,
+        "mismatches": sum(not r.matches_hf for r in rs),
+        "entropy_law": fit_law([e for r in rs for e in r.root_entropy], lens),
+    }
+
+
+def build_report(records, skipped, mismatches, partial, target, cfg: BenchConfig) -> dict:
+    methods = list(dict.fromkeys(r.method for r in records))
+    kinds = list(dict.fromkeys(r.kind for r in records))
+    return {
+        "schema": SCHEMA,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "target": target.name,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "device": str(target.device),
+        "torch_threads": torch.get_num_threads(),
+        "config": asdict(cfg),
+        "partial": partial,
+        "skipped": skipped,
+        "mismatches": mismatches,
+        "overall": {m: method_summary(records, m) for m in methods},
+        "kinds": {k: {m: method_summary(records, m, k) for m in methods} for k in kinds},
+        "chain_beats_tree": _chain_vs_tree(records),
+        "records": [asdict(r) | {"tok_s": r.tok_s} for r in records],
+    }
+
+
+def _chain_vs_tree(records: list[Record]) -> dict:
+    """Per kind: is the chain faster than the best tree (median per-prompt ratio)? The law's boundary."""
+    out = {}
+    trees = sorted({r.method for r in records if r.method.startswith("tree-")})
+    for kind in dict.fromkeys(r.kind for r in records):
+        best = None
+        for t in trees:
+            q = _quartiles(_ratios(records, "chain", t, kind))["median"]
+            if q is not None and (best is None or q < best[1]):
+                best = (t, q)
+        if best is not None:
+            out[kind] = {"best_tree": best[0], "chain_over_best_tree": best[1], "chain_wins": best[1] > 1.0}
+    return out
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def _fmt(q: dict) -> str:
+    if q["median"] is None:
+        return "–"
+    return f"{q['median']:.2f} ({q['p25']:.2f}–{q['p75']:.2f})"
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# glance-rt bench — {report['target']} ({report['dtype']}, {report['device']}, "
+             f"{report['torch_threads']} threads) — {report['date']}", ""]
+    if report["partial"]:
+        lines += ["**Partial report (interrupted).**", ""]
+    if report["mismatches"]:
+        lines += [f"**{len(report['mismatches'])} OUTPUT MISMATCH(ES) vs HF greedy:** {report['mismatches']}", ""]
+    lines += ["| method | tok/s | × same-engine AR | × HF generate | τ | draft passes/round | TTFT s | mismatches |",
+              "|---|---|---|---|---|---|---|---|"]
+    for m, s in report["overall"].items():
+        tau = f"{s['tau']:.2f}" if s["tau"] is not None else "–"
+        dpr = f"{s['draft_passes_per_round']:.2f}" if s["draft_passes_per_round"] is not None else "–"
+        lines.append(f"| {m} | {_fmt(s['tok_s'])} | {_fmt(s['speedup_vs_ar'])} | {_fmt(s['speedup_vs_hf'])} | {tau} | "
+                     f"{dpr} | {_fmt(s['ttft'])} | {s['mismatches']} |")
+    lines += ["", "Per kind, median speedup over same-engine AR (per-prompt ratios):", "",
+              "| kind | " + " | ".join(report["overall"]) + " |", "|---" * (len(report["overall"]) + 1) + "|"]
+    for kind, ms in report["kinds"].items():
+        lines.append(f"| {kind} | " + " | ".join(_fmt(s["speedup_vs_ar"]) for s in ms.values()) + " |")
+    if report["skipped"]:
+        lines += ["", "Skipped: " + "; ".join(f"{m}: {why}" for m, why in report["skipped"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def plots(report: dict, folder) -> list[Path]:
+    """speedup.png (per method and kind), tau_hist.png, tau_vs_entropy.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    methods = [m for m in report["overall"] if m != "ar"]
+    kinds = list(report["kinds"])
+    out = []
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(methods) * max(len(kinds), 1) / 2), 4))
+    width = 0.8 / max(len(kinds), 1)
+    for j, kind in enumerate(kinds):
+        vals = [report["kinds"][kind][m]["speedup_vs_ar"]["median"] or 0 for m in methods]
+        ax.bar(np.arange(len(methods)) + j * width, vals, width, label=kind)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(np.arange(len(methods)) + width * (len(kinds) - 1) / 2, methods)
+    ax.set_ylabel("median speedup over same-engine AR")
+    _legend(ax)
+    ax.set_title(f"{report['target']} — speedup per method and kind")
+    out.append(_save(fig, folder / "speedup.png"))
+
+    drafted = [m for m in methods if report["overall"][m]["tau_hist"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in drafted:
+        h = np.asarray(report["overall"][m]["tau_hist"], float)
+        ax.plot(np.arange(len(h)), h / max(h.sum(), 1), marker="o", label=f"{m} (τ={report['overall'][m]['tau']:.2f})")
+    ax.set_xlabel("tokens committed per round")
+    ax.set_ylabel("fraction of rounds")
+    _legend(ax)
+    ax.set_title("accepted length per round")
+    out.append(_save(fig, folder / "tau_hist.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    main = max(drafted, key=lambda m: report["overall"][m]["tau"] or 0, default=None)
+    for kind in kinds:
+        pts = [(e, a) for r in report["records"] if r["method"] == main and r["kind"] == kind
+               for e, a in zip(r["root_entropy"], r["accepted_lengths"], strict=True)]
+        if not pts:
+            continue
+        x, y = np.asarray(pts).T
+        dots = ax.scatter(x, y + np.random.default_rng(0).uniform(-0.15, 0.15, len(y)), s=6, alpha=0.4, label=kind)
+        law = report["kinds"][kind][main]["entropy_law"]
+        if law["slope"] is not None:
+            xs = np.linspace(x.min(), x.max(), 20)
+            ax.plot(xs, law["intercept"] + law["slope"] * xs, color=dots.get_facecolor()[0], lw=2)
+    ax.set_xlabel("target next-token entropy at the root (nats)")
+    ax.set_ylabel("tokens committed per round")
+    ax.set_title(f"the entropy law ({main})")
+    _legend(ax)
+    out.append(_save(fig, folder / "tau_vs_entropy.png"))
+    return out
+
+
+def _legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+
+
+def _save(fig, path: Path) -> Path:
+    from glance_rt.train import atomic_write
+
+    atomic_write(path, lambda p: fig.savefig(p, dpi=110, bbox_inches="tight", format="png"))
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def write_outputs(report: dict, json_out=None, report_md=None, plot_dir=None) -> list[Path]:
+    from glance_rt.train import atomic_write
+
+    written = []
+    if json_out:
+        atomic_write(Path(json_out), lambda p: p.write_text(json.dumps(report, indent=2, default=_jsonable)))
+        written.append(Path(json_out))
+    if report_md:
+        atomic_write(Path(report_md), lambda p: p.write_text(markdown(report)))
+        written.append(Path(report_md))
+    if plot_dir:
+        written += plots(report, plot_dir)
+    return written
+
+
+def _jsonable(x):
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    raise TypeError(type(x).__name__)

@@ -1,0 +1,106 @@
+"""`glance-rt bench` end to end on tiny models: well-formed JSON / Markdown / PNG outputs, every
+output checked against HF greedy, skips with reasons, and a valid partial report on Ctrl-C.
+(No test asserts a timing.)"""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import glance_rt
+from glance_rt.bench import SCHEMA, BenchConfig, fit_law, markdown, run_bench, write_outputs
+from glance_rt.cli import main
+from tests.conftest import tiny_target
+from tests.tiny_models import make_tiny
+
+ROWS = [{"id": "a", "kind": "chat", "prompt": "Tell me about rivers."},
+        {"id": "b", "kind": "extraction", "prompt": "Copy exactly: red green blue."},
+        {"id": "c", "kind": "chat", "prompt": "Say something kind."}]
+CFG = BenchConfig(methods=("ar", "chain", "tree-4", "tree-12", "hf", "hf-lookup"), max_new_tokens=12, warmup=1)
+
+
+def quiet(_):
+    pass
+
+
+@pytest.fixture(scope="module")
+def report():
+    target, _, _ = tiny_target("qwen3")
+    return run_bench(target, glance_rt.init_drafter(target, block_size=4), ROWS, CFG, progress=False, log=quiet)
+
+
+def test_report_is_well_formed(report, tmp_path):
+    assert report["schema"] == SCHEMA and not report["partial"] and report["mismatches"] == []
+    assert list(report["overall"]) == ["hf", "ar", "chain", "tree-4", "tree-12", "hf-lookup"]
+    assert set(report["kinds"]) == {"chat", "extraction"}
+    assert len(report["records"]) == len(ROWS) * 6
+    tree = report["overall"]["tree-12"]
+    assert tree["prompts"] == 3 and tree["speedup_vs_ar"]["n"] == 3 and tree["speedup_vs_hf"]["n"] == 3
+    assert tree["tau"] >= 1 and sum(tree["tau_hist"]) > 0 and tree["draft_passes_per_round"] == 1.0
+    assert report["overall"]["ar"]["draft_passes_per_round"] == 0.0
+    assert set(tree["phase_seconds"]) == {"prefill", "draft", "tree", "verify", "commit"}
+    assert tree["entropy_law"]["n"] == sum(tree["tau_hist"])
+    written = write_outputs(report, tmp_path / "b.json", tmp_path / "b.md", tmp_path / "plots")
+    assert json.loads((tmp_path / "b.json").read_text())["schema"] == SCHEMA
+    md = (tmp_path / "b.md").read_text()
+    assert "| tree-12 |" in md and "× same-engine AR" in md
+    for name in ("speedup.png", "tau_hist.png", "tau_vs_entropy.png"):
+        data = (tmp_path / "plots" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert len(written) == 5
+
+
+def test_vlm_skips_prompt_lookup_with_a_reason():
+    target, _, _ = tiny_target("qwen2_vl")
+    cfg = BenchConfig(methods=("ar", "tree-4", "hf", "hf-lookup"), max_new_tokens=8, warmup=0)
+    rep = run_bench(target, glance_rt.init_drafter(target, block_size=4), ROWS[:1], cfg, progress=False, log=quiet)
+    assert "hf-lookup" in rep["skipped"] and "text models" in rep["skipped"]["hf-lookup"]
+    assert rep["mismatches"] == [] and "Skipped" in markdown(rep)
+
+
+def test_no_drafter_skips_drafted_methods():
+    target, _, _ = tiny_target("llama")
+    rep = run_bench(target, None, ROWS[:1], BenchConfig(methods=("ar", "chain", "hf"), max_new_tokens=6, warmup=0),
+                    progress=False, log=quiet)
+    assert "chain" in rep["skipped"] and list(rep["overall"]) == ["hf", "ar"]
+
+
+def test_mismatch_is_loud_and_ctrl_c_leaves_a_partial_report(monkeypatch):
+    target, _, _ = tiny_target("llama")
+    real = glance_rt.Decoder.generate
+    calls = {"n": 0}
+
+    def flaky(self, max_new_tokens=128, **inputs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        res = real(self, max_new_tokens=max_new_tokens, **inputs)
+        res.token_ids[1] = (res.token_ids[1] + 1) % 50
+        return res
+
+    monkeypatch.setattr(glance_rt.Decoder, "generate", flaky)
+    logs = []
+    rep = run_bench(target, None, ROWS, BenchConfig(methods=("ar", "hf"), max_new_tokens=6, warmup=0),
+                    progress=False, log=logs.append)
+    assert rep["partial"] and len(rep["records"]) >= 2
+    assert rep["mismatches"] and any("MISMATCH" in m for m in logs)
+    assert "Partial report" in markdown(rep) and "MISMATCH" in markdown(rep)
+
+
+def test_entropy_law_fit():
+    law = fit_law([0.0, 1.0, 2.0, 3.0], [5, 4, 3, 2])
+    assert law["slope"] == pytest.approx(-1.0) and law["intercept"] == pytest.approx(5.0) and law["r2"] == 1.0
+    assert fit_law([1.0, 1.0, 1.0], [1, 2, 3])["slope"] is None
+
+
+def test_cli_bench(tmp_path):
+    model, processor = make_tiny("llama")
+    model.save_pretrained(tmp_path / "m")
+    processor.save_pretrained(tmp_path / "m")
+    suite = tmp_path / "s.jsonl"
+    suite.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]))
+    r = CliRunner().invoke(main, ["bench", "--target", str(tmp_path / "m"), "--suite", str(suite), "--methods",
+                                  "ar,hf,hf-lookup", "--max-new-tokens", "6", "--json", str(tmp_path / "r.json"),
+                                  "--report", str(tmp_path / "r.md"), "--plots", str(tmp_path / "p")])
+    assert r.exit_code == 0, r.output
+    assert "| ar |" in r.stdout and json.loads((tmp_path / "r.json").read_text())["target"]
