@@ -2,7 +2,9 @@
 every output checked against Hugging Face greedy decoding.
 
 Methods: `ar` (same-engine autoregression), `chain` (DFlash-style width-1 tree), `tree-N` (GLANCE
-trees of budget N), `hf` (HF `generate` greedy), `hf-lookup` (HF prompt-lookup decoding). Ratios
+trees of budget N), `adaptive` (per round, the tree-N bucket the entropy law predicts is fastest,
+calibrated on the warm-up prompts' tree-N rounds), `hf` (HF `generate` greedy), `hf-lookup` (HF
+prompt-lookup decoding). Ratios
 are per prompt (same prompt, same tokens) and summarised by their median and quartiles.
 """
 
@@ -19,7 +21,7 @@ import torch
 from glance_rt.errors import GlanceError
 
 SCHEMA = "glance-rt/bench/1"
-DEFAULT_METHODS = ("ar", "chain", "tree-8", "tree-16", "tree-32", "tree-64", "hf", "hf-lookup")
+DEFAULT_METHODS = ("ar", "chain", "tree-8", "tree-16", "tree-32", "tree-64", "adaptive", "hf", "hf-lookup")
 
 
 @dataclass(frozen=True)
@@ -88,10 +90,14 @@ def _hf_runner(target, cfg: BenchConfig, lookup: bool):
     return run
 
 
-def _glance_runner(target, drafter, cfg: BenchConfig, method: str):
+def _glance_runner(target, drafter, cfg: BenchConfig, method: str, policy=None):
     from glance_rt.decoder import Decoder
 
-    if method == "ar":
+    if method == "adaptive":
+        if drafter is None:
+            raise Skip("needs a drafter")
+        dec = Decoder(target, drafter, tree_budget=policy, max_length=cfg.max_length)
+    elif method == "ar":
         dec = Decoder(target, None, max_length=cfg.max_length)
     elif drafter is None:
         raise Skip("needs a drafter (pass --drafter, or use the default target's shipped one)")
@@ -132,17 +138,39 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
     runners, skipped = {}, {}
     for m in cfg.methods:
         try:
-            runners[m] = make_runner(m, target, drafter, cfg)
+            if m != "adaptive":
+                runners[m] = make_runner(m, target, drafter, cfg)
         except Skip as e:
             skipped[m] = str(e)
             log(f"[bench] skipping {m}: {e}")
     if "hf" not in runners:
         raise GlanceError("bench needs the 'hf' method: every output is checked against HF greedy decoding")
-    order = ["hf"] + [m for m in runners if m != "hf"]
     encoded = [target.encode_chat(r["prompt"], open_images(r, images_dir)) for r in rows]
+    calibration: dict[int, list] = {}
+    policy = None
     for inputs in encoded[: cfg.warmup]:
-        for m in order:
-            runners[m](inputs)
+        for m, run in runners.items():
+            stats = run(inputs)[3]
+            if m.startswith("tree-") and stats is not None:
+                calibration.setdefault(int(m[5:]), []).extend(
+                    zip(stats.prior_entropy, stats.accepted_lengths, stats.round_seconds, strict=True))
+    if "adaptive" in cfg.methods:
+        try:
+            from glance_rt.adaptive import calibrate
+
+            if drafter is None:
+                raise Skip("needs a drafter")
+            if not calibration:
+                raise Skip("needs tree-N methods and --warmup >= 1 to calibrate its buckets")
+            policy = calibrate(calibration)
+            runners["adaptive"] = _glance_runner(target, drafter, cfg, "adaptive", policy)
+            log("[bench] adaptive buckets: " + ", ".join(
+                f"N={b.budget}: tau={b.intercept:.2f}{b.slope:+.2f}*H, {b.seconds_per_round * 1e3:.1f} ms/round"
+                for b in policy.buckets))
+        except (Skip, GlanceError) as e:
+            skipped["adaptive"] = str(e)
+            log(f"[bench] skipping adaptive: {e}")
+    order = ["hf"] + [m for m in runners if m != "hf"]
     records, mismatches, partial = [], [], False
     bar = tqdm(total=len(rows) * len(order), desc="bench", disable=not progress, dynamic_ncols=True)
     try:
@@ -171,7 +199,9 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
         partial = True
         log("[bench] interrupted: the report covers the prompts finished so far")
     bar.close()
-    return build_report(records, skipped, mismatches, partial, target, cfg)
+    report = build_report(records, skipped, mismatches, partial, target, cfg)
+    report["adaptive_buckets"] = [asdict(b) for b in policy.buckets] if policy is not None else None
+    return report
 
 
 # ----------------------------------------------------------------------------- summaries

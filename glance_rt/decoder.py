@@ -22,6 +22,9 @@ PHASES = ("prefill", "draft", "tree", "verify", "commit")
 class Stats:
     accepted_lengths: list[int] = field(default_factory=list)  # tokens committed per round (incl. bonus)
     root_entropy: list[float] = field(default_factory=list)  # target's next-token entropy at each round's root
+    prior_entropy: list[float] = field(default_factory=list)  # entropy known before each round (row that made the root)
+    budgets: list[int] = field(default_factory=list)  # tree budget used in each round
+    round_seconds: list[float] = field(default_factory=list)  # wall time of each round
     draft_passes: int = 0
     rounds: int = 0
     prompt_tokens: int = 0
@@ -60,15 +63,24 @@ class Decoder:
     autoregression, or any object with `block_size`, `target_layer_ids` and a
     `__call__(ctx_feats [m, F], ctx_start, bonus, block_start) -> draft logits [B-1, V]`).
 
-    `tree_budget` is the number of draft nodes verified per round (N); `chain=True` verifies the
+    `tree_budget` is the number of draft nodes verified per round (N), or an `AdaptiveBudget` that
+    picks one of a few fixed buckets per round from the entropy law; `chain=True` verifies the
     width-1 tree (the top-1 draft at every depth, DFlash-style). `max_length` sizes the static
     caches: prompt + max_new_tokens + one round's scratch must fit.
     """
 
-    def __init__(self, target, drafter=None, tree_budget: int = 32, chain: bool = False, max_length: int = 2048):
+    def __init__(self, target, drafter=None, tree_budget=32, chain: bool = False, max_length: int = 2048):
+        from glance_rt.adaptive import AdaptiveBudget
         from glance_rt.draft import DraftPass
         from glance_rt.drafter import GlanceDrafter, check_compatible
 
+        self.policy = tree_budget if isinstance(tree_budget, AdaptiveBudget) else None
+        if self.policy is not None:
+            if chain:
+                raise GlanceError("an adaptive budget chooses among trees: it cannot be combined with chain=True")
+            for b in self.policy.buckets:
+                check_budget(b.budget)
+            tree_budget = self.policy.max_budget
         check_budget(tree_budget)
         if max_length < 2:
             raise GlanceError(f"max_length must be at least 2, got {max_length}")
@@ -77,6 +89,8 @@ class Decoder:
             check_compatible(drafter.config, target)
             drafter = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, max_length)
         self.drafter = drafter
+        if drafter is None:
+            self.policy = None
         self.tree_budget = 0 if drafter is None else min(tree_budget, drafter.block_size - 1) if chain else tree_budget
         layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
         self.verifier = TargetDecoder(target.parts, max_length, layers)
@@ -118,19 +132,22 @@ class Decoder:
         logits, feats = self.verifier(pre.embeds[None].to(self.target.dtype), positions.to(dev), 0, causal,
                                       logit_rows=slice(p - 1, p))
         first = int(logits[-1].argmax())
+        prior = entropy(logits[-1])
         clock.lap("prefill")
         kept, done = apply_stops([first], 0, max_new_tokens, self.eos_ids)
         produced = len(kept)
         yield kept
         n, bonus, ctx_feats, ctx_start = p + 1, first, feats, 0
         while not done:
+            round_start = time.perf_counter()
             block_start = n - 1
             draft_logits = None
             if self.drafter is not None:
                 draft_logits = self.drafter(ctx_feats, ctx_start, bonus, block_start)  # [B-1, V]
                 stats.draft_passes += 1
                 clock.lap("draft")
-            tree = build_tree(draft_logits, bonus, self.tree_budget, self.chain)
+            budget = self.tree_budget if self.policy is None else self.policy.choose(prior)
+            tree = build_tree(draft_logits, bonus, budget, self.chain)
             tokens = torch.from_numpy(tree.tokens).to(dev)
             mask = torch.from_numpy(tree.mask).to(dev)
             index = torch.from_numpy(tree.depth).to(dev) + block_start
@@ -139,6 +156,8 @@ class Decoder:
             logits, feats = self.verifier(embeds, self._positions(index, pre.rope_delta), block_start, mask)
             greedy = logits.argmax(-1).cpu().numpy()  # [N+1]
             stats.root_entropy.append(entropy(logits[0]))
+            stats.prior_entropy.append(prior)
+            stats.budgets.append(budget)
             clock.lap("verify")
             path = accept(tree, greedy)
             run = committed_tokens(tree, greedy, path)
@@ -146,11 +165,13 @@ class Decoder:
             produced += len(kept)
             stats.rounds += 1
             stats.accepted_lengths.append(len(kept))
+            prior = entropy(logits[path[-1]])
             if not done:
                 compact(self.verifier.cache, path, block_start)
                 ctx_feats = feats[torch.tensor(path, device=dev)] if self.drafter is not None else feats
                 ctx_start, n, bonus = block_start, n + len(path), run[-1]
             clock.lap("commit")
+            stats.round_seconds.append(time.perf_counter() - round_start)
             yield kept
 
     def generate(self, max_new_tokens: int = 128, **inputs) -> GenerateResult:

@@ -16,7 +16,8 @@ from tests.tiny_models import make_tiny
 ROWS = [{"id": "a", "kind": "chat", "prompt": "Tell me about rivers."},
         {"id": "b", "kind": "extraction", "prompt": "Copy exactly: red green blue."},
         {"id": "c", "kind": "chat", "prompt": "Say something kind."}]
-CFG = BenchConfig(methods=("ar", "chain", "tree-4", "tree-12", "hf", "hf-lookup"), max_new_tokens=12, warmup=1)
+CFG = BenchConfig(methods=("ar", "chain", "tree-4", "tree-12", "adaptive", "hf", "hf-lookup"), max_new_tokens=12,
+                  warmup=1)
 
 
 def quiet(_):
@@ -31,9 +32,11 @@ def report():
 
 def test_report_is_well_formed(report, tmp_path):
     assert report["schema"] == SCHEMA and not report["partial"] and report["mismatches"] == []
-    assert list(report["overall"]) == ["hf", "ar", "chain", "tree-4", "tree-12", "hf-lookup"]
+    assert list(report["overall"]) == ["hf", "ar", "chain", "tree-4", "tree-12", "hf-lookup", "adaptive"]
     assert set(report["kinds"]) == {"chat", "extraction"}
-    assert len(report["records"]) == len(ROWS) * 6
+    assert len(report["records"]) == len(ROWS) * 7
+    assert {b["budget"] for b in report["adaptive_buckets"]} == {4, 12}
+    assert report["overall"]["adaptive"]["mismatches"] == 0
     tree = report["overall"]["tree-12"]
     assert tree["prompts"] == 3 and tree["speedup_vs_ar"]["n"] == 3 and tree["speedup_vs_hf"]["n"] == 3
     assert tree["tau"] >= 1 and sum(tree["tau_hist"]) > 0 and tree["draft_passes_per_round"] == 1.0
