@@ -59,4 +59,6 @@ class DraftPass(nn.Module):
             q, k = apply_rope(q, cos[:, m:], sin[:, m:]), apply_rope(k, cos, sin)
             k_all, v_all = self.cache.write(i, ctx_start, k, v)  # [1, nkv, block_start+B, D]
             h = layer_out(layer, h, tree_attention(q, k_all, v_all, self.block_mask, prefix_len, c.head_dim**-0.5))
-        return self.lm_head(d.norm(h[:, 1:]))[0]  # [B-1, V]
+        # all B rows through the head, then drop row 0: for B=8 MKL's GEMM takes 16 ms at M=8 and
+        # 33 ms at M=7 (2-core CPU); draft numerics never affect the output, only acceptance
+        return self.lm_head(d.norm(h))[0, 1:]  # [B-1, V]

@@ -234,6 +234,9 @@ def save_drafter(drafter: GlanceDrafter, path, dtype: torch.dtype | None = None)
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(_config_json(drafter.config, dtype), indent=2))
+    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; a drafter folder is meant to be shared
+    for f in tmp.iterdir():
+        os.chmod(f, 0o644)
     if path.exists():
         old = path.with_name(f".{path.name}.old")
         os.replace(path, old)
