@@ -225,7 +225,7 @@ def _ratios(records: list[Record], method: str, base: str, kind: str | None = No
 def fit_law(entropy: list[float], accepted: list[int]) -> dict:
     """Least-squares accepted length = intercept + slope * entropy, with R^2 and n."""
     n = len(entropy)
-    if n < 3 or float(np.var(entropy)) == 0.0:
+    if n < 3 or float(np.var(entropy)) == 0.0 or float(np.var(accepted)) == 0.0:
         return {"slope": None, "intercept": None, "r2": None, "n": n}
     x, y = np.asarray(entropy, float), np.asarray(accepted, float)
     slope, intercept = np.polyfit(x, y, 1)
@@ -340,7 +340,7 @@ def plots(report: dict, folder) -> list[Path]:
     kinds = list(report["kinds"])
     out = []
 
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(methods) * max(len(kinds), 1) / 2), 4))
+    fig, ax = plt.subplots(figsize=(min(max(6, 0.3 * len(methods) * max(len(kinds), 1)), 14), 4))
     width = 0.8 / max(len(kinds), 1)
     for j, kind in enumerate(kinds):
         vals = [report["kinds"][kind][m]["speedup_vs_ar"]["median"] or 0 for m in methods]

@@ -94,6 +94,7 @@ def test_entropy_law_fit():
     law = fit_law([0.0, 1.0, 2.0, 3.0], [5, 4, 3, 2])
     assert law["slope"] == pytest.approx(-1.0) and law["intercept"] == pytest.approx(5.0) and law["r2"] == 1.0
     assert fit_law([1.0, 1.0, 1.0], [1, 2, 3])["slope"] is None
+    assert fit_law([1.0, 2.0, 3.0], [1, 1, 1])["r2"] is None  # constant accepted length: no law to fit
 
 
 def test_cli_bench(tmp_path):

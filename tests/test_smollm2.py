@@ -50,3 +50,18 @@ def test_real_model_lossless(cases, mode):
             assert res.stats.mean_accepted > 3
         if mode == "decoy":  # right tokens sit at rank 1: accepted paths leave rank 0
             assert max(res.stats.accepted_lengths) >= 3
+
+
+def test_shipped_drafter_loads_and_is_lossless(cases):
+    import os
+
+    from glance_rt.embedded import DRAFTER_DIR
+
+    target, items = cases
+    drafter = glance_rt.load_drafter(target=target)  # no path: the one shipped for the default target
+    assert os.path.getsize(DRAFTER_DIR / "model.safetensors") <= 20 * 2**20
+    assert drafter.config.block_size == 8 and drafter.config.target_layer_ids == (2, 15, 27)
+    for inputs, ref in items:
+        res = glance_rt.Decoder(target, drafter, tree_budget=32).generate(max_new_tokens=NEW, **inputs)
+        assert res.token_ids == ref
+        assert res.stats.draft_passes == res.stats.rounds
