@@ -7,6 +7,18 @@ import click
 
 from glance_rt.errors import GlanceError
 
+# options shared by several commands
+TARGET = click.option("--target", "target_path", type=click.Path(), default=None,
+                      help="Local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
+DRAFTER = click.option("--drafter", "drafter_path", type=click.Path(), default=None, help="Drafter folder.")
+DTYPE = click.option("--dtype", default="float32", show_default=True,
+                     type=click.Choice(["float32", "bfloat16", "float16"]))
+DEVICE = click.option("--device", default="cpu", show_default=True)
+SUITE = click.option("--suite", default="all", show_default=True,
+                     help="'all', a task kind (held-out prompts of the shipped corpus), or a JSONL file.")
+SUITE_IMAGES = click.option("--images", type=click.Path(), default=None,
+                            help="Folder the suite's image paths are relative to.")
+
 
 @click.group()
 @click.version_option(package_name="glance-rt")
@@ -33,17 +45,16 @@ def _load(target_path, drafter_path, dtype, device):
 
 
 @main.command()
-@click.option("--target", "target_path", type=click.Path(), default=None,
-              help="Local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
-@click.option("--drafter", "drafter_path", type=click.Path(), default=None, help="Drafter folder.")
+@TARGET
+@DRAFTER
 @click.option("--image", "images", type=click.Path(), multiple=True, help="Image file (repeatable).")
 @click.option("--prompt", required=True, help="The user message.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--tree-budget", default=32, show_default=True, type=int, help="Draft nodes verified per round.")
 @click.option("--chain", is_flag=True, help="Verify a width-1 chain (DFlash-style) instead of a tree.")
 @click.option("--max-length", default=2048, show_default=True, type=int, help="Static cache rows.")
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
-@click.option("--device", default="cpu", show_default=True)
+@DTYPE
+@DEVICE
 @click.option("--stats", is_flag=True, help="Print acceptance and timing statistics after the answer.")
 def generate(target_path, drafter_path, images, prompt, max_new_tokens, tree_budget, chain, max_length, dtype,
              device, stats):
@@ -76,8 +87,7 @@ def generate(target_path, drafter_path, images, prompt, max_new_tokens, tree_bud
 
 
 @main.command()
-@click.option("--target", "target_path", type=click.Path(), default=None,
-              help="Local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
+@TARGET
 @click.option("--prompts", type=click.Path(), default=None,
               help="JSONL of {prompt, kind?, images?, split?} (default: the corpus shipped for the default target).")
 @click.option("--images", type=click.Path(), default=None, help="Folder the prompts' image paths are relative to.")
@@ -128,18 +138,16 @@ def train(target_path, prompts, images, out, num_layers, block_size, target_laye
 
 
 @main.command()
-@click.option("--target", "target_path", type=click.Path(), default=None,
-              help="Local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
-@click.option("--drafter", "drafter_path", type=click.Path(), default=None, help="Drafter folder.")
-@click.option("--suite", default="all", show_default=True,
-              help="'all', a task kind (held-out prompts of the shipped corpus), or a JSONL file.")
+@TARGET
+@DRAFTER
+@SUITE
 @click.option("--per-kind", default=8, show_default=True, type=int, help="At most N prompts of each kind.")
-@click.option("--images", type=click.Path(), default=None, help="Folder the suite's image paths are relative to.")
+@SUITE_IMAGES
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--tree-budget", default=32, show_default=True, type=int)
 @click.option("--chain", is_flag=True)
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
-@click.option("--device", default="cpu", show_default=True)
+@DTYPE
+@DEVICE
 @click.option("--threshold", default=None, type=float,
               help="Fail only on divergences whose top-1/top-2 margin exceeds this (default: any divergence).")
 @click.option("--json", "json_out", type=click.Path(), default=None, help="Write the per-prompt report here.")
@@ -185,19 +193,17 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, tr
 
 
 @main.command()
-@click.option("--target", "target_path", type=click.Path(), default=None,
-              help="Local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
-@click.option("--drafter", "drafter_path", type=click.Path(), default=None, help="Drafter folder.")
-@click.option("--suite", default="all", show_default=True,
-              help="'all', a task kind (held-out prompts of the shipped corpus), or a JSONL file.")
+@TARGET
+@DRAFTER
+@SUITE
 @click.option("--per-kind", default=4, show_default=True, type=int, help="At most N prompts of each kind.")
-@click.option("--images", type=click.Path(), default=None, help="Folder the suite's image paths are relative to.")
-@click.option("--methods", default=",".join(("ar", "chain", "tree-8", "tree-16", "tree-32", "tree-64", "hf",
-                                             "hf-lookup")), show_default=True, help="Comma-separated methods.")
+@SUITE_IMAGES
+@click.option("--methods", default="ar,chain,tree-8,tree-16,tree-32,tree-64,adaptive,hf,hf-lookup", show_default=True,
+              help="Comma-separated: ar, chain, tree-N, adaptive, hf, hf-lookup.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--warmup", default=1, show_default=True, type=int, help="Prompts run untimed first.")
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
-@click.option("--device", default="cpu", show_default=True)
+@DTYPE
+@DEVICE
 @click.option("--json", "json_out", type=click.Path(), default=None, help="Machine-readable report.")
 @click.option("--report", "report_md", type=click.Path(), default=None, help="Markdown report.")
 @click.option("--plots", "plot_dir", type=click.Path(), default=None, help="Folder for PNG plots.")
