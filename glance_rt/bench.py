@@ -9,7 +9,6 @@ are per prompt (same prompt, same tokens) and summarised by their median and qua
 """
 
 import json
-import math
 import resource
 import time
 from dataclasses import asdict, dataclass, field
@@ -404,7 +403,7 @@ def write_outputs(report: dict, json_out=None, report_md=None, plot_dir=None) ->
 
     written = []
     if json_out:
-        atomic_write(Path(json_out), lambda p: p.write_text(json.dumps(report, indent=2, default=_jsonable)))
+        atomic_write(Path(json_out), lambda p: p.write_text(json.dumps(report, indent=2)))
         written.append(Path(json_out))
     if report_md:
         atomic_write(Path(report_md), lambda p: p.write_text(markdown(report)))
@@ -413,8 +412,3 @@ def write_outputs(report: dict, json_out=None, report_md=None, plot_dir=None) ->
         written += plots(report, plot_dir)
     return written
 
-
-def _jsonable(x):
-    if isinstance(x, float) and math.isnan(x):
-        return None
-    raise TypeError(type(x).__name__)

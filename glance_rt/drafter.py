@@ -10,7 +10,7 @@ and `lm_head` are shared and frozen (they are not part of the checkpoint).
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -350,7 +350,3 @@ def load_drafter(path=None, target=None) -> GlanceDrafter:
     drafter = read_drafter(path, dtype=target.dtype, device=target.device)
     check_compatible(drafter.config, target)
     return drafter
-
-
-def config_dict(config: DrafterConfig) -> dict:
-    return asdict(config)

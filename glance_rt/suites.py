@@ -5,6 +5,19 @@ from pathlib import Path
 from glance_rt.errors import GlanceError
 
 
+def cap_per_kind(rows: list[dict], per_kind: int | None) -> list[dict]:
+    """The first `per_kind` rows of each kind, in order (all rows when per_kind is None)."""
+    if per_kind is None:
+        return rows
+    seen: dict[str, int] = {}
+    kept = []
+    for r in rows:
+        if seen.get(r["kind"], 0) < per_kind:
+            seen[r["kind"]] = seen.get(r["kind"], 0) + 1
+            kept.append(r)
+    return kept
+
+
 def suite_rows(suite: str | None, per_kind: int | None = None) -> list[dict]:
     """`suite`: None or "all" (held-out prompts of every kind in the shipped corpus), a kind name
     (held-out prompts of that kind), or a JSONL file. At most `per_kind` prompts of each kind."""
@@ -21,14 +34,7 @@ def suite_rows(suite: str | None, per_kind: int | None = None) -> list[dict]:
     for i, r in enumerate(rows):
         r.setdefault("id", f"p{i:05d}")
         r.setdefault("kind", "default")
-    if per_kind is not None:
-        seen: dict[str, int] = {}
-        kept = []
-        for r in rows:
-            if seen.get(r["kind"], 0) < per_kind:
-                seen[r["kind"]] = seen.get(r["kind"], 0) + 1
-                kept.append(r)
-        rows = kept
+    rows = cap_per_kind(rows, per_kind)
     if not rows:
         raise GlanceError(f"suite {suite!r} has no prompts")
     return rows

@@ -162,13 +162,9 @@ def load_rows(cfg: TrainConfig) -> list[dict]:
 
 def training_rows(rows: list[dict], per_kind: int | None) -> list[dict]:
     """The prompts responses and features are made for: the train split, at most `per_kind` of each kind."""
-    seen: dict[str, int] = {}
-    out = []
-    for r in rows:
-        if r["split"] == "train" and (per_kind is None or seen.get(r["kind"], 0) < per_kind):
-            seen[r["kind"]] = seen.get(r["kind"], 0) + 1
-            out.append(r)
-    return out
+    from glance_rt.suites import cap_per_kind
+
+    return cap_per_kind([r for r in rows if r["split"] == "train"], per_kind)
 
 
 def _parts(rows: list, size: int = PART_SIZE) -> list[list]:
@@ -224,14 +220,6 @@ def stage_responses(target, rows: list[dict], cfg: TrainConfig, out: Path, rank:
         bar.update(len(parts[i]) * world)
     bar.close()
     _barrier(world)
-
-
-def read_responses(out: Path, n_parts: int) -> list[list[dict]]:
-    parts = []
-    for i in range(n_parts):
-        path = out / "responses" / f"part-{i:05d}.jsonl"
-        parts.append([json.loads(line) for line in path.read_text().splitlines() if line])
-    return parts
 
 
 # ----------------------------------------------------------------------------- 2. features
@@ -437,11 +425,11 @@ def save_checkpoint(drafter, opt, step: int, out: Path, keep: int = 2) -> None:
 def stage_train(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world: int, n_parts: int, evaluate):
     from glance_rt.drafter import init_drafter, read_drafter
 
+    if (out / "drafter" / "model.safetensors").exists():  # trained already: skip loading the features
+        return read_drafter(out / "drafter")
     seqs = load_features(out, n_parts, "train")
     if not seqs:
         raise GlanceError("no training sequences: every response was shorter than 2 tokens or all prompts are held out")
-    if (out / "drafter" / "model.safetensors").exists():
-        return read_drafter(out / "drafter")
     drafter = init_drafter(target, cfg.num_layers, cfg.block_size, seed=cfg.seed, target_layer_ids=layer_ids)
     drafter = drafter.float().train().requires_grad_(True)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
