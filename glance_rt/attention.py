@@ -28,9 +28,10 @@ def tree_attention_reference(
     """q [1, H, T, D]; k, v [1, KVH, L, D]; tree_mask [T, T] bool; prefix_len [] int64 -> [1, H, T, D]."""
     groups = q.shape[1] // k.shape[1]
     t, kv_len = q.shape[2], k.shape[2]
-    if t == 1 and kv_len == int(prefix_len) + 1 and bool(tree_mask[0, 0]):
-        # one query row that sees every cached row (autoregression): no mask, and GQA by folding the
-        # query heads of each KV head into its rows (as HF's sdpa path does for one query)
+    if t == 1 and q.device.type == "cpu" and kv_len == int(prefix_len) + 1 and bool(tree_mask[0, 0]):
+        # one query row that sees every cached row (eager autoregression): no mask, and GQA by folding
+        # the query heads of each KV head into its rows (as HF's sdpa path does for one query). The
+        # check reads prefix_len on the host, so it is CPU-only (no sync inside a CUDA graph).
         qg = q.reshape(1, k.shape[1], groups, q.shape[3])  # [1, KVH, G, D]
         return F.scaled_dot_product_attention(qg, k, v, scale=scale).reshape(q.shape)
     if groups > 1:  # [1, KVH, L, D] -> [1, H, L, D], as the HF sdpa path does with a mask
@@ -50,4 +51,4 @@ def tree_attention(
 
 @tree_attention.register_fake
 def _(q, k, v, tree_mask, prefix_len, scale):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as the real kernel returns

@@ -41,5 +41,5 @@ def compact(cache, path: list[int], start: int) -> None:
     import torch
 
     if path != list(range(len(path))):
-        src = torch.tensor([start + i for i in path], device=cache.kv.device)
+        src = torch.tensor([start + i for i in path], device=cache.k0.device)
         cache.move_rows(src, start)

@@ -10,12 +10,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from glance_rt.commit import accept, apply_stops, committed_tokens, compact
+from glance_rt.commit import accept, apply_stops, committed_tokens
 from glance_rt.errors import GlanceError
 from glance_rt.model import TargetDecoder
+from glance_rt.passes import EagerPasses
 from glance_rt.tree import build_tree, check_budget
 
 PHASES = ("prefill", "draft", "tree", "verify", "commit")
+BACKENDS = ("eager", "compile")
 
 
 @dataclass
@@ -67,9 +69,15 @@ class Decoder:
     picks one of a few fixed buckets per round from the entropy law; `chain=True` verifies the
     width-1 tree (the top-1 draft at every depth, DFlash-style). `max_length` sizes the static
     caches: prompt + max_new_tokens + one round's scratch must fit.
+
+    `backend="eager"` runs the passes at exact lengths (the reference); `"compile"` runs fixed-shape
+    passes (`glance_rt.passes.StaticGraphs`) under `torch.compile(fullgraph=True)`, with CUDA graphs
+    on a GPU. Static passes attend over all `max_length` cache rows, so size it to the job. `chunk`
+    is their prompt chunk (rows per prefill pass). `Decoder.from_engine(DIR)` runs a built engine.
     """
 
-    def __init__(self, target, drafter=None, tree_budget=32, chain: bool = False, max_length: int = 2048):
+    def __init__(self, target, drafter=None, tree_budget=32, chain: bool = False, max_length: int = 2048,
+                 backend: str = "eager", chunk: int = 64):
         from glance_rt.adaptive import AdaptiveBudget
         from glance_rt.draft import DraftPass
         from glance_rt.drafter import GlanceDrafter, check_compatible
@@ -84,6 +92,11 @@ class Decoder:
         check_budget(tree_budget)
         if max_length < 2:
             raise GlanceError(f"max_length must be at least 2, got {max_length}")
+        if backend not in BACKENDS:
+            raise GlanceError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)} "
+                              "(built engines load with Decoder.from_engine)")
+        if chunk < 1:
+            raise GlanceError(f"chunk must be at least 1, got {chunk}")
         self.target, self.chain, self.max_length = target, chain, max_length
         if isinstance(drafter, GlanceDrafter):
             check_compatible(drafter.config, target)
@@ -96,6 +109,35 @@ class Decoder:
         self.verifier = TargetDecoder(target.parts, max_length, layers)
         self.mrope = bool(target.parts.mrope)
         self.eos_ids = frozenset(target.eos_token_ids)
+        self.backend = backend
+        if backend == "eager":
+            self.passes = EagerPasses(self.verifier, drafter)
+        else:
+            from glance_rt.passes import compiled_fns
+
+            self.passes = self.static_passes(compiled_fns, chunk)
+
+    def static_passes(self, make_fns, chunk: int):
+        """Fixed-shape passes over this decoder's modules and caches; `make_fns(graphs)` returns the
+        callables that run each graph (compiled, or loaded from an engine)."""
+        from glance_rt.draft import DraftPass
+        from glance_rt.passes import StaticGraphs, StaticPasses, StaticShapes
+
+        if self.drafter is not None and not isinstance(self.drafter, DraftPass):
+            raise GlanceError("compiled and engine backends run a GlanceDrafter (glance_rt.load_drafter); "
+                              "use backend='eager' for other drafter objects")
+        graphs = StaticGraphs(self.verifier, self.drafter)
+        block = self.drafter.block_size if self.drafter is not None else 1
+        return StaticPasses(graphs, make_fns(graphs), StaticShapes(chunk, block), self.mrope)
+
+    @classmethod
+    def from_engine(cls, path, target=None, drafter=None, tree_budget=None) -> "Decoder":
+        """A Decoder that runs the engine built in `path` (`glance-rt build-engine`). `target` and
+        `drafter` default to the ones the engine was built from (any other must match its manifest);
+        `tree_budget` defaults to its largest budget bucket, or pass an int or AdaptiveBudget over its buckets."""
+        from glance_rt.engines.engine import load_engine
+
+        return load_engine(cls, path, target, drafter, tree_budget)
 
     # ------------------------------------------------------------------ positions
 
@@ -119,7 +161,7 @@ class Decoder:
         pre = self.target.prefill_inputs(inputs)  # embeds [P, H], positions [P] or [3, P]
         p = pre.embeds.shape[0]
         stats.prompt_tokens = p
-        need = p + max_new_tokens + self._scratch_rows()
+        need = max(p + max_new_tokens + self._scratch_rows(), self.passes.rows_needed(p))
         if need > self.max_length:
             raise GlanceError(
                 f"prompt ({p} tokens) + max_new_tokens ({max_new_tokens}) + one round's scratch "
@@ -127,12 +169,10 @@ class Decoder:
                 "pass a larger max_length to Decoder or shorten the prompt / max_new_tokens"
             )
         dev = self.target.device
-        causal = torch.ones(p, p, dtype=torch.bool, device=dev).tril()
         positions = pre.positions[:, None] if self.mrope else pre.positions[None]  # [3, 1, P] or [1, P]
-        logits, feats = self.verifier(pre.embeds[None].to(self.target.dtype), positions.to(dev), 0, causal,
-                                      logit_rows=slice(p - 1, p))
-        first = int(logits[-1].argmax())
-        prior = entropy(logits[-1])
+        logits, feats = self.passes.prefill(pre.embeds[None].to(self.target.dtype), positions.to(dev))  # [V]
+        first = int(logits.argmax())
+        prior = entropy(logits)
         clock.lap("prefill")
         kept, done = apply_stops([first], 0, max_new_tokens, self.eos_ids)
         produced = len(kept)
@@ -143,7 +183,7 @@ class Decoder:
             block_start = n - 1
             draft_logits = None
             if self.drafter is not None:
-                draft_logits = self.drafter(ctx_feats, ctx_start, bonus, block_start)  # [B-1, V]
+                draft_logits = self.passes.draft(ctx_feats, ctx_start, bonus, block_start)  # [B-1, V]
                 stats.draft_passes += 1
                 clock.lap("draft")
             budget = self.tree_budget if self.policy is None else self.policy.choose(prior)
@@ -152,8 +192,7 @@ class Decoder:
             mask = torch.from_numpy(tree.mask).to(dev)
             index = torch.from_numpy(tree.depth).to(dev) + block_start
             clock.lap("tree")
-            embeds = self.verifier.embed_tokens(tokens)[None]  # [1, N+1, H]
-            logits, feats = self.verifier(embeds, self._positions(index, pre.rope_delta), block_start, mask)
+            logits, feats = self.passes.verify(tokens, self._positions(index, pre.rope_delta), block_start, mask)
             greedy = logits.argmax(-1).cpu().numpy()  # [N+1]
             stats.root_entropy.append(entropy(logits[0]))
             stats.prior_entropy.append(prior)
@@ -167,7 +206,7 @@ class Decoder:
             stats.accepted_lengths.append(len(kept))
             prior = entropy(logits[path[-1]])
             if not done:
-                compact(self.verifier.cache, path, block_start)
+                self.passes.commit(path, block_start)
                 ctx_feats = feats[torch.tensor(path, device=dev)] if self.drafter is not None else feats
                 ctx_start, n, bonus = block_start, n + len(path), run[-1]
             clock.lap("commit")

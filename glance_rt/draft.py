@@ -4,13 +4,17 @@ Block ids `[b, M, ..., M]` at token indices `[n-1, n+B-1)`. Each drafter layer's
 the block; keys/values from the drafter's context cache (projections of the target's features for
 every committed row `[0, n-1)`) plus the block itself, with no mask inside the block. New context
 rows (the previous round's accepted rows) are projected into the cache in the same pass.
+
+`step` is the pass on tensors (`context` then `block`): the eager call runs it at exact lengths;
+static backends run it with the context padded to B rows (padding lands on the block's rows, which
+the block then overwrites) and attention over all `max_len` cache rows.
 """
 
 import torch
 from torch import Tensor, nn
 
 from glance_rt.attention import tree_attention
-from glance_rt.drafter import GlanceDrafter, inv_freq, layer_out, layer_qkv, rope_tables
+from glance_rt.drafter import GlanceDrafter, inv_freq, layer_kv, layer_out, layer_qkv, rope_tables
 from glance_rt.kv_cache import KVCache
 from glance_rt.model import apply_rope
 
@@ -34,31 +38,50 @@ class DraftPass(nn.Module):
         self.register_buffer("block_mask", torch.ones(c.block_size, c.block_size, dtype=torch.bool, device=w.device),
                              persistent=False)
 
-    def rope(self, start: int, length: int, dtype) -> tuple[Tensor, Tensor]:
-        return rope_tables(self.inv_freq, torch.arange(start, start + length, device=self.inv_freq.device), dtype)
-
-    def block_embeds(self, bonus: int) -> Tensor:
-        ids = self.block_ids.clone()
-        ids[0] = bonus
-        x = self.embed_tokens(ids)[None]  # [1, B, H]
+    def block_embeds(self, bonus: Tensor) -> Tensor:
+        x = self.embed_tokens(torch.cat([bonus.view(1), self.block_ids[1:]]))[None]  # [1, B, H]
         if self.drafter.config.learned_mask:
             x = torch.cat([x[:, :1], self.drafter.mask_embedding.expand(1, self.block_size - 1, -1)], 1)
         return x
 
-    def forward(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int) -> Tensor:
+    def context(self, ctx_feats: Tensor, ctx_start: Tensor) -> None:
+        """Project context rows ctx_feats [m, F] (target features) into every layer's cache rows
+        [ctx_start, ctx_start + m)."""
+        d = self.drafter
+        ctx = d.hidden_norm(d.fc(ctx_feats.to(d.fc.weight.dtype)))[None]  # [1, m, H]
+        rows = ctx_start + torch.arange(ctx.shape[1], device=ctx.device)  # [m]
+        cos, sin = rope_tables(self.inv_freq, rows, ctx.dtype)  # [1, m, D]
+        for i, layer in enumerate(d.layers):
+            k, v = layer_kv(layer, d.config, ctx)  # [1, nkv, m, D]
+            self.cache.write(i, rows, apply_rope(k, cos, sin), v)
+
+    def block(self, bonus: Tensor, block_start: Tensor, kv_len: int) -> Tensor:
+        """The block [bonus, M, ..., M] at rows [block_start, block_start + B), seeing the context
+        rows before it -> draft logits [B-1, V]."""
         d = self.drafter
         c = d.config
-        m, b = ctx_feats.shape[0], self.block_size
-        assert ctx_start + m == block_start, "context rows must end where the block starts"
-        ctx = d.hidden_norm(d.fc(ctx_feats.to(d.fc.weight.dtype)))[None]  # [1, m, H]
         h = self.block_embeds(bonus)  # [1, B, H]
-        cos, sin = self.rope(ctx_start, m + b, h.dtype)  # [1, m+B, D]
-        prefix_len = torch.tensor(block_start, device=h.device)
+        rows = block_start + torch.arange(self.block_size, device=h.device)  # [B]
+        cos, sin = rope_tables(self.inv_freq, rows, h.dtype)  # [1, B, D]
         for i, layer in enumerate(d.layers):
-            q, k, v = layer_qkv(layer, c, ctx, h)  # q [1, nh, B, D]; k, v [1, nkv, m+B, D]
-            q, k = apply_rope(q, cos[:, m:], sin[:, m:]), apply_rope(k, cos, sin)
-            k_all, v_all = self.cache.write(i, ctx_start, k, v)  # [1, nkv, block_start+B, D]
-            h = layer_out(layer, h, tree_attention(q, k_all, v_all, self.block_mask, prefix_len, c.head_dim**-0.5))
+            q, k, v = layer_qkv(layer, c, h[:, :0], h)  # q, k, v [1, n, B, D]
+            self.cache.write(i, rows, apply_rope(k, cos, sin), v)
+            k_all, v_all = self.cache.read(i, kv_len)  # [1, nkv, L, D]
+            attn = tree_attention(apply_rope(q, cos, sin), k_all, v_all, self.block_mask, block_start, c.head_dim**-0.5)
+            h = layer_out(layer, h, attn)
         # all B rows through the head, then drop row 0: for B=8 MKL's GEMM takes 16 ms at M=8 and
         # 33 ms at M=7 (2-core CPU); draft numerics never affect the output, only acceptance
         return self.lm_head(d.norm(h))[0, 1:]  # [B-1, V]
+
+    def step(self, ctx_feats: Tensor, ctx_start: Tensor, bonus: Tensor, block_start: Tensor, kv_len: int) -> Tensor:
+        self.context(ctx_feats, ctx_start)
+        return self.block(bonus, block_start, kv_len)
+
+    def forward(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int) -> Tensor:
+        assert ctx_start + ctx_feats.shape[0] == block_start, "context rows must end where the block starts"
+        dev = self.block_ids.device
+
+        def t(x: int) -> Tensor:
+            return torch.tensor(x, device=dev)
+
+        return self.step(ctx_feats, t(ctx_start), t(bonus), t(block_start), block_start + self.block_size)

@@ -105,16 +105,21 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
+def layer_kv(layer: DraftLayer, c: DrafterConfig, x: Tensor) -> tuple[Tensor, Tensor]:
+    """One drafter layer's keys and values for rows x [1, T, H] -> k, v [1, nkv, T, D]."""
+    a, t = layer.self_attn, x.shape[1]
+    k = a.k_norm(a.k_proj(x).view(1, t, c.num_key_value_heads, c.head_dim)).transpose(1, 2)
+    v = a.v_proj(x).view(1, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+    return k, v
+
+
 def layer_qkv(layer: DraftLayer, c: DrafterConfig, ctx: Tensor, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """One drafter layer's projections. ctx [1, C, H] (normed context features), h [1, Q, H] (block
     hidden) -> q [1, nh, Q, D] from the block; k, v [1, nkv, C+Q, D] from the context, then the block."""
-    a = layer.self_attn
-    nq, q_len = ctx.shape[1] + h.shape[1], h.shape[1]
+    a, q_len = layer.self_attn, h.shape[1]
     x = torch.cat([ctx, layer.input_layernorm(h)], 1)  # [1, C+Q, H]
     q = a.q_norm(a.q_proj(x[:, -q_len:]).view(1, q_len, c.num_attention_heads, c.head_dim)).transpose(1, 2)
-    k = a.k_norm(a.k_proj(x).view(1, nq, c.num_key_value_heads, c.head_dim)).transpose(1, 2)
-    v = a.v_proj(x).view(1, nq, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-    return q, k, v
+    return (q, *layer_kv(layer, c, x))
 
 
 def layer_out(layer: DraftLayer, h: Tensor, attn: Tensor) -> Tensor:

@@ -1,33 +1,50 @@
-"""Static KV cache: one module buffer written by index, never reallocated."""
+"""Static KV cache: per-layer K and V module buffers written by index, never reallocated.
+
+Separate buffers per layer (not one stacked tensor) so that compilers see each write as an in-place
+scatter into its own input: a write into a view of one stacked buffer makes inductor copy the whole
+cache on every pass.
+"""
 
 import torch
 from torch import Tensor, nn
 
 
 class KVCache(nn.Module):
-    """K and V for every layer: `kv` is [layers, 2, kv_heads, max_len, head_dim].
-
-    Rows are addressed by token index. Rejected scratch rows are simply overwritten later.
-    """
+    """`k{i}`, `v{i}` [1, kv_heads, max_len, head_dim] for every layer i. Rows are addressed by token
+    index; rejected scratch rows are simply overwritten later."""
 
     def __init__(self, layers: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
         super().__init__()
-        shape = (layers, 2, kv_heads, max_len, head_dim)
-        self.register_buffer("kv", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.layers = layers
+        for i in range(layers):
+            for kind in "kv":
+                buf = torch.zeros(1, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+                self.register_buffer(f"{kind}{i}", buf, persistent=False)
 
     @property
     def max_len(self) -> int:
-        return self.kv.shape[3]
+        return self.k0.shape[2]
 
-    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v [1, KVH, T, D] at rows [start, start+T); return this layer's k, v views
-        [1, KVH, start+T, D] (eager slices: attention never reads past the written rows)."""
-        end = start + k.shape[2]
-        self.kv[layer, 0, :, start:end] = k[0]
-        self.kv[layer, 1, :, start:end] = v[0]
-        return self.kv[layer, 0, :, :end][None], self.kv[layer, 1, :, :end][None]
+    def buffers_of(self, layer: int) -> tuple[Tensor, Tensor]:
+        return getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
 
-    def move_rows(self, src: Tensor, dst_start: int) -> None:
-        """Copy rows `src` [k] (all layers) to `[dst_start, dst_start + k)`: the commit's compaction."""
-        rows = self.kv.index_select(3, src)  # gather first, so overlapping ranges are safe
-        self.kv[:, :, :, dst_start : dst_start + src.shape[0]] = rows
+    def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write k, v [1, KVH, T, D] at cache rows `rows` [T] (distinct), in place."""
+        kc, vc = self.buffers_of(layer)
+        kc.index_copy_(2, rows, k)
+        vc.index_copy_(2, rows, v)
+
+    def read(self, layer: int, kv_len: int) -> tuple[Tensor, Tensor]:
+        """This layer's k, v over rows [0, kv_len): [1, KVH, kv_len, D]. Eager passes read only the
+        rows written so far; static passes read all `max_len` rows (a fixed shape)."""
+        kc, vc = self.buffers_of(layer)
+        if kv_len == self.max_len:
+            return kc, vc
+        return kc[:, :, :kv_len], vc[:, :, :kv_len]
+
+    def move_rows(self, src: Tensor, dst_start: Tensor | int) -> None:
+        """Copy rows `src` [k] (every layer) to `[dst_start, dst_start + k)`: the commit's compaction.
+        Fixed-size callers pad `src` with `dst_start + i` (a row copied onto itself)."""
+        dst = dst_start + torch.arange(src.shape[0], device=src.device)
+        for buf in self.buffers():
+            buf.index_copy_(2, dst, buf.index_select(2, src))  # gather first: overlapping ranges are safe

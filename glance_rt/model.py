@@ -32,7 +32,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = float(getattr(hf_attn, "scaling", head_dim**-0.5))
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, start: int, prefix_len, tree_mask):
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, rows: Tensor, kv_len: int, tree_mask):
         t = x.shape[1]
         q = self.q_proj(x).view(1, t, self.n_heads, self.head_dim)  # [1, T, H, D]
         k = self.k_proj(x).view(1, t, self.n_kv_heads, self.head_dim)
@@ -41,8 +41,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, H, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_all, v_all = cache.write(layer, start, k, v)  # [1, KVH, start+T, D]
-        out = tree_attention(q, k_all, v_all, tree_mask, prefix_len, self.scale)  # [1, H, T, D]
+        cache.write(layer, rows, k, v)
+        k_all, v_all = cache.read(layer, kv_len)  # [1, KVH, L, D]
+        out = tree_attention(q, k_all, v_all, tree_mask, rows[0], self.scale)  # [1, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(1, t, self.n_heads * self.head_dim))
 
 
@@ -54,8 +55,8 @@ class Block(nn.Module):
         self.self_attn = Attention(hf_layer.self_attn, n_heads, n_kv_heads, head_dim)
         self.mlp = hf_layer.mlp
 
-    def forward(self, h, cos, sin, cache, layer, start, prefix_len, tree_mask):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, start, prefix_len, tree_mask)
+    def forward(self, h, cos, sin, cache, layer, rows, kv_len, tree_mask):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, rows, kv_len, tree_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -63,7 +64,8 @@ class TargetDecoder(nn.Module):
     """The target's text decoder with a static cache of `max_len` rows.
 
     `forward` runs T rows whose cache rows are `[start, start+T)`, seeing the committed prefix
-    `[0, start)` and each other through `tree_mask`. It returns logits for the rows asked for and
+    `[0, start)` and each other through `tree_mask`; attention reads cache rows `[0, kv_len)`
+    (`start + T` in eager passes, `max_len` in static-shape ones). It returns logits for the rows asked for and
     the concatenated hidden states of `feature_layers`: the outputs of those decoder layers, indexed
     like HF's `hidden_states[i + 1]` (so the last layer's is taken after the final norm).
     """
@@ -87,21 +89,22 @@ class TargetDecoder(nn.Module):
         self,
         embeds: Tensor,  # [1, T, H]
         positions: Tensor,  # [1, T] or [3, 1, T] (M-RoPE)
-        start: int,
+        start: Tensor,  # [] int64
         tree_mask: Tensor,  # [T, T] bool
-        logit_rows: slice | None = None,
+        kv_len: int,
+        logit_rows: Tensor | None = None,  # [k] int64: rows to compute logits for (default all)
     ) -> tuple[Tensor, Tensor]:
         cos, sin = self.rotary_emb(embeds, positions)  # [1, T, D]
-        prefix_len = torch.tensor(start, device=embeds.device)
+        rows = start + torch.arange(embeds.shape[1], device=embeds.device)  # [T]
         h, feats = embeds, {}
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, self.cache, i, start, prefix_len, tree_mask)
+            h = layer(h, cos, sin, self.cache, i, rows, kv_len, tree_mask)
             if i in self.feature_layers:
                 feats[i] = h
         last = len(self.layers) - 1
         if last in feats:  # as HF's hidden_states[-1]: the last layer's output comes after the final norm
             feats[last] = self.norm(h)
-        h = self.norm(h if logit_rows is None else h[:, logit_rows])
+        h = self.norm(h if logit_rows is None else h.index_select(1, logit_rows))
         logits = self.lm_head(h)[0]  # [T', V]
         if feats:
             features = torch.cat([feats[i] for i in self.feature_layers], -1)[0]  # [T, F]

@@ -1,0 +1,124 @@
+"""AOTInductor engines: one `.pt2` package per static graph (`glance_rt.passes.StaticGraphs`).
+
+Packages are built without their weights (`package_constants_in_so=False`): at load time every
+package gets the running model's weights and KV caches as user-managed constants, so the prefill,
+verify (one per tree-budget bucket), draft and context packages share one copy of the weights and
+write the same caches in place. The manifest pins the weights they were built from.
+"""
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from glance_rt.errors import GlanceError
+
+BACKEND = "aoti"
+
+
+class _Entry(nn.Module):
+    """One graph of a StaticGraphs as a module to export (its constants are `graphs.*`)."""
+
+    def __init__(self, graphs, name: str):
+        super().__init__()
+        self.graphs, self.name = graphs, name
+
+    def forward(self, *args):
+        return getattr(self.graphs, self.name)(*args)
+
+
+def verify_rows(budget: int, chain: bool, block_size: int) -> int:
+    """Rows of the verify graph for a tree budget (the root included)."""
+    return (min(budget, block_size - 1) if chain else budget) + 1
+
+
+def example_inputs(graphs, shapes, mrope: bool, budgets, chain: bool) -> dict:
+    """name -> example args of every graph to build (what fixes its shapes)."""
+    v = graphs.verifier
+    dev, dtype = v.embed_tokens.weight.device, v.embed_tokens.weight.dtype
+    hidden = v.embed_tokens.weight.shape[1]
+
+    def zero():  # a fresh scalar per argument: an input passed twice would be exported as one
+        return torch.tensor(0, device=dev)
+
+    def pos(n: int):
+        p = torch.arange(n, device=dev)[None]
+        return p[None].expand(3, 1, n).contiguous() if mrope else p
+
+    c, b = shapes.chunk, shapes.block_size
+    out = {"prefill": (torch.zeros(1, c, hidden, dtype=dtype, device=dev), pos(c), zero(), torch.tensor([c - 1], device=dev))}
+    for budget in budgets:
+        t = verify_rows(budget, chain, b)
+        mask = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+        out[f"verify-{t}"] = (torch.zeros(t, dtype=torch.long, device=dev), pos(t), zero(), mask)
+    if graphs.draft_pass is not None:
+        feats = len(graphs.verifier.feature_layers) * hidden
+        ctx = torch.zeros(b, feats, dtype=dtype, device=dev)
+        out["draft"] = (ctx, zero(), zero(), torch.tensor(b, device=dev))
+        out["context"] = (torch.zeros(c, feats, dtype=dtype, device=dev), zero())
+    return out
+
+
+def build(decoder, out: Path, budgets, chain: bool, chunk: int, manifest: dict, progress: bool = True) -> None:
+    """Export and AOT-compile every graph into `out` (resumable: finished packages are kept)."""
+    from tqdm import tqdm
+
+    from glance_rt.passes import StaticGraphs, StaticShapes
+
+    graphs = StaticGraphs(decoder.verifier, decoder.drafter)
+    block = decoder.drafter.block_size if decoder.drafter is not None else 1
+    jobs = example_inputs(graphs, StaticShapes(chunk, block), decoder.mrope, budgets, chain)
+    cfg = {"aot_inductor.package_constants_in_so": False}
+    files, bar = {}, tqdm(jobs.items(), desc="aoti packages", unit="graph", disable=not progress)
+    for name, args in bar:
+        bar.set_postfix_str(name)
+        file = out / f"{name}.pt2"
+        files[name] = {"file": file.name, "inputs": [[list(a.shape), str(a.dtype).removeprefix("torch.")] for a in args]}
+        if file.exists():  # finished by an earlier (interrupted) build
+            continue
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            ep = torch.export.export(_Entry(graphs, name.split("-")[0]), args, strict=False)
+            tmp = out / f"{name}.tmp.pt2"
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=cfg)
+        tmp.replace(file)
+        files[name]["build_seconds"] = round(time.perf_counter() - t0, 1)
+    manifest["graphs"] = files
+
+
+def runners(path: Path, manifest: dict, graphs) -> dict:
+    """Load every package with `graphs`' weights and caches as user-managed constants -> the
+    callables StaticPasses runs (verify dispatches on the tree's row count)."""
+    consts = {}
+    for n, t in [*graphs.named_parameters(remove_duplicate=False), *graphs.named_buffers(remove_duplicate=False)]:
+        consts[f"graphs.{n}"] = t.detach()
+    loaded = {}
+    for name, info in manifest["graphs"].items():
+        runner = torch._inductor.aoti_load_package(str(path / info["file"]))
+        want = runner.get_constant_fqns()
+        missing = [k for k in want if k not in consts]
+        if missing:
+            raise GlanceError(f"engine {path}: package {info['file']} expects weights {missing[:3]} that this model "
+                              "does not have; rebuild the engine")
+        runner.load_constants({k: consts[k] for k in want}, check_full_update=True, user_managed=True)
+        loaded[name] = runner
+    verify = {int(n.split("-")[1]): r for n, r in loaded.items() if n.startswith("verify-")}
+
+    def run_verify(tokens, positions, start, mask):
+        runner = verify.get(tokens.shape[0])
+        if runner is None:
+            raise GlanceError(f"this engine has verify graphs for {sorted(verify)} rows, not {tokens.shape[0]}: "
+                              "use one of its tree budgets or rebuild with --tree-budget")
+        return runner(tokens, positions, start, mask)
+
+    fns = {"verify": run_verify, "prefill": loaded["prefill"]}
+    for name in ("draft", "context"):
+        if name in loaded:
+            fns[name] = loaded[name]
+    return fns
+
+
+def describe(manifest: dict) -> str:
+    return json.dumps({k: manifest[k] for k in ("backend", "budgets", "chain", "max_len", "chunk")})

@@ -1,0 +1,86 @@
+"""Build and load engines: `build_engine` (what `glance-rt build-engine` runs) and `load_engine`
+(behind `Decoder.from_engine`), dispatching on the backend named in the manifest."""
+
+import json
+from pathlib import Path
+
+from glance_rt.engines.manifest import FORMAT, check_manifest, read_manifest, source, versions, write_manifest
+from glance_rt.errors import GlanceError
+
+ENGINE_BACKENDS = ("aoti",)
+
+
+def _backend(name: str):
+    if name == "aoti":
+        from glance_rt.engines import aoti
+
+        return aoti
+    raise GlanceError(f"unknown engine backend {name!r}: choose one of {', '.join(ENGINE_BACKENDS)}")
+
+
+def build_engine(target, drafter, out, backend: str = "aoti", budgets=(32,), chain: bool = False,
+                 max_len: int = 1024, chunk: int = 64, target_source=None, drafter_source=None,
+                 progress: bool = True) -> Path:
+    """Build the static graphs of `target` (+ `drafter`) for `backend` into the folder `out`.
+    An interrupted build resumes from its finished graphs; the manifest is written last."""
+    import glance_rt
+
+    impl = _backend(backend)
+    budgets = tuple(sorted(set(budgets))) if drafter is not None else (0,)
+    out = Path(out)
+    config = {"backend": backend, "budgets": list(budgets), "chain": chain, "max_len": max_len, "chunk": chunk}
+    if (out / "manifest.json").exists():
+        raise GlanceError(f"{out} already holds an engine: pick another --out, or delete it to rebuild")
+    dec = glance_rt.Decoder(target, drafter, tree_budget=max(budgets) or 1, chain=chain, max_length=max_len, chunk=chunk)
+    manifest = {"format": FORMAT, **config, "block_size": dec.drafter.block_size if drafter is not None else 1,
+                "source": source(target, drafter), "versions": versions(),
+                "target_source": None if target_source is None else str(target_source),
+                "drafter_source": None if drafter_source is None else str(drafter_source)}
+    started = out / "build.json"
+    if out.exists() and any(out.iterdir()):
+        if not started.exists():
+            raise GlanceError(f"{out} is not empty and holds no engine build: pick an empty or new --out folder")
+        old = json.loads(started.read_text())
+        if old != {k: manifest[k] for k in old}:
+            raise GlanceError(f"{out} holds an unfinished build of another engine ({old}); delete it or pick another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    if not started.exists():
+        keep = ("backend", "budgets", "chain", "max_len", "chunk", "source", "versions")
+        (out / "build.json.tmp").write_text(json.dumps({k: manifest[k] for k in keep}, indent=2))
+        (out / "build.json.tmp").replace(started)
+    impl.build(dec, out, budgets, chain, chunk, manifest, progress)
+    write_manifest(out, manifest)
+    return out
+
+
+def _load_sources(m: dict, target, drafter):
+    import glance_rt
+
+    if target is None:
+        target = glance_rt.load_target(m["target_source"], dtype=m["source"]["dtype"], device=m["source"]["device"])
+    if drafter is None and m["source"]["drafter_weights"] is not None:
+        drafter = glance_rt.load_drafter(m["drafter_source"], target)
+    return target, drafter
+
+
+def load_engine(cls, path, target=None, drafter=None, tree_budget=None):
+    """A `cls` (Decoder) whose passes run the engine in `path`."""
+    from glance_rt.adaptive import AdaptiveBudget
+
+    path = Path(path)
+    m = read_manifest(path)
+    impl = _backend(m["backend"])
+    target, drafter = _load_sources(m, target, drafter)
+    check_manifest(m, target, drafter, path)
+    budgets = m["budgets"]
+    if tree_budget is None:
+        tree_budget = max(budgets) or 1
+    asked = [b.budget for b in tree_budget.buckets] if isinstance(tree_budget, AdaptiveBudget) else [tree_budget]
+    if drafter is not None and any(b not in budgets for b in asked):
+        raise GlanceError(f"engine {path} has tree budgets {budgets}; {asked} asked. Pick among them or rebuild "
+                          "with `glance-rt build-engine --tree-budget ...`")
+    dec = cls(target, drafter, tree_budget=tree_budget, chain=m["chain"], max_length=m["max_len"], chunk=m["chunk"])
+    dec.passes = dec.static_passes(lambda graphs: impl.runners(path, m, graphs), m["chunk"])
+    dec.backend = m["backend"]
+    return dec
+

@@ -1,0 +1,98 @@
+"""Engine manifests: what an engine was built from and for, checked before it runs.
+
+An engine folder holds one artifact per graph and `manifest.json`, written last (an engine without
+a manifest is an unfinished build). Loading refuses an engine whose target or drafter weights,
+device, dtype or library versions differ from the running ones, and says what differs.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from glance_rt.errors import GlanceError
+
+FORMAT = "glance-rt/engine/1"
+
+
+def weights_hash(module) -> str:
+    """sha256 over a module's parameters and persistent buffers (names, shapes, dtypes, bytes)."""
+    h = hashlib.sha256()
+    seen = set()
+    for name, t in sorted(module.state_dict(keep_vars=False).items()):
+        if t.data_ptr() in seen:  # tied weights hash once
+            continue
+        seen.add(t.data_ptr())
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def versions() -> dict:
+    import transformers
+
+    import glance_rt
+
+    return {"glance_rt": glance_rt.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def source(target, drafter) -> dict:
+    """Fingerprint of what an engine computes with: the target's text decoder and the drafter."""
+    parts = target.parts
+    text = torch.nn.ModuleDict({"model": parts.text_model, "lm_head": parts.lm_head})
+    return {
+        "target": target.name,
+        "target_weights": weights_hash(text),
+        "drafter_weights": weights_hash(drafter) if drafter is not None else None,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "device": target.device.type,
+    }
+
+
+def write_manifest(out: Path, manifest: dict) -> None:
+    tmp = out / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.replace(out / "manifest.json")
+
+
+def read_manifest(path, backend: str | None = None) -> dict:
+    path = Path(path)
+    file = path / "manifest.json"
+    if not file.exists():
+        if path.exists():
+            raise GlanceError(f"{path} holds no finished engine (no manifest.json): rerun `glance-rt build-engine` "
+                              "with the same --out to finish the build")
+        raise GlanceError(f"engine folder {path} does not exist: build one with `glance-rt build-engine --out {path}`")
+    try:
+        m = json.loads(file.read_text())
+    except ValueError as e:
+        raise GlanceError(f"{file} is corrupt ({e}): rebuild the engine") from e
+    if m.get("format") != FORMAT:
+        raise GlanceError(f"{file} is not a {FORMAT} manifest (format {m.get('format')!r}): rebuild the engine")
+    if backend is not None and m["backend"] != backend:
+        raise GlanceError(f"{path} is a {m['backend']} engine, not {backend}")
+    return m
+
+
+def check_manifest(m: dict, target, drafter, path) -> None:
+    """Refuse an engine built for another target, drafter, dtype, device or library versions."""
+    problems = []
+    have_versions = versions()
+    for k, want in m["versions"].items():
+        if have_versions.get(k) != want:
+            problems.append(f"{k} {have_versions.get(k)} here, engine built with {want}")
+    have = source(target, drafter)
+    labels = {"target_weights": "target weights", "drafter_weights": "drafter weights"}
+    for k, want in m["source"].items():
+        if k == "target":
+            continue
+        if have[k] != want:
+            if k in labels:
+                problems.append(f"{labels[k]} differ ({(have[k] or 'none')[:12]} here, {(want or 'none')[:12]} in the engine)")
+            else:
+                problems.append(f"{k} is {have[k]} here, engine built for {want}")
+    if problems:
+        raise GlanceError(f"engine {path} was built for something else: " + "; ".join(problems)
+                          + ". Rebuild it with `glance-rt build-engine` for this target and drafter.")

@@ -1,0 +1,153 @@
+"""The passes a decoding round runs, behind the one interface the round loop calls.
+
+`EagerPasses` is the reference: exact lengths (the prompt in one pass, attention over the rows
+written so far). `StaticPasses` runs the same math at fixed shapes, so that compilers can take it:
+the prompt in chunks of `chunk` rows, the drafter's context padded (to B rows per round, to `chunk`
+rows for the prompt), attention over all `max_len` cache rows. Its graphs are the methods of
+`StaticGraphs`, plain functions of tensors; a backend swaps them for compiled (torch.compile) or
+loaded (AOTInductor) versions. Padded rows only ever land on cache rows that are rewritten before
+anything can see them.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from glance_rt.commit import compact
+from glance_rt.model import TargetDecoder
+
+GRAPHS = ("prefill", "verify", "draft", "context")
+
+
+class EagerPasses:
+    """Exact-length passes. `drafter`: a DraftPass, any drafter protocol object, or None."""
+
+    def __init__(self, verifier: TargetDecoder, drafter):
+        self.verifier, self.drafter = verifier, drafter
+
+    def rows_needed(self, prompt_len: int) -> int:
+        return prompt_len
+
+    def prefill(self, embeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """embeds [1, P, H], positions [1, P] / [3, 1, P] -> last row's logits [V], features [P, F]."""
+        p, dev = embeds.shape[1], embeds.device
+        causal = torch.ones(p, p, dtype=torch.bool, device=dev).tril()
+        last = torch.tensor([p - 1], device=dev)
+        logits, feats = self.verifier(embeds, positions, torch.tensor(0, device=dev), causal, p, last)
+        return logits[0], feats
+
+    def verify(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """tokens [T], positions [1, T] / [3, 1, T], tree mask [T, T] -> logits [T, V], features [T, F]."""
+        embeds = self.verifier.embed_tokens(tokens)[None]  # [1, T, H]
+        start_t = torch.tensor(start, device=tokens.device)
+        return self.verifier(embeds, positions, start_t, mask, start + tokens.shape[0])
+
+    def draft(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int) -> Tensor:
+        return self.drafter(ctx_feats, ctx_start, bonus, block_start)
+
+    def commit(self, path: list[int], start: int) -> None:
+        compact(self.verifier.cache, path, start)
+
+
+class StaticGraphs(nn.Module):
+    """The fixed-shape graphs of one target (+ drafter), sharing their weights and caches.
+
+    prefill(embeds [1, C, H], positions, start [], last [1]) -> logits [1, V], features [C, F]
+    verify(tokens [T], positions, start [], mask [T, T]) -> logits [T, V], features [T, F]
+    draft(ctx [B, F], ctx_start [], bonus [], block_start []) -> draft logits [B-1, V]
+    context(ctx [C, F], ctx_start []) -> nothing (writes the drafter's context cache)
+    """
+
+    def __init__(self, verifier: TargetDecoder, draft_pass=None):
+        super().__init__()
+        self.verifier, self.draft_pass = verifier, draft_pass
+        self.max_len = verifier.cache.max_len
+        self.register_buffer("_zero", torch.zeros((), dtype=torch.long), persistent=False)
+
+    def prefill(self, embeds: Tensor, positions: Tensor, start: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
+        c = embeds.shape[1]
+        causal = torch.ones(c, c, dtype=torch.bool, device=embeds.device).tril()
+        return self.verifier(embeds, positions, start, causal, self.max_len, last)
+
+    def verify(self, tokens: Tensor, positions: Tensor, start: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        return self.verifier(self.verifier.embed_tokens(tokens)[None], positions, start, mask, self.max_len)
+
+    def draft(self, ctx: Tensor, ctx_start: Tensor, bonus: Tensor, block_start: Tensor) -> Tensor:
+        return self.draft_pass.step(ctx, ctx_start, bonus, block_start, self.max_len)
+
+    def context(self, ctx: Tensor, ctx_start: Tensor) -> Tensor:
+        self.draft_pass.context(ctx, ctx_start)
+        return self._zero + 0  # exporters want an output
+
+
+@dataclass(frozen=True)
+class StaticShapes:
+    chunk: int  # prompt rows per prefill pass (and drafter-context rows per context pass)
+    block_size: int  # B (1 without a drafter)
+
+
+class StaticPasses:
+    """Fixed-shape passes over `fns` (name -> callable with the StaticGraphs signatures)."""
+
+    def __init__(self, graphs: StaticGraphs, fns: dict, shapes: StaticShapes, mrope: bool):
+        self.graphs, self.fns, self.shapes, self.mrope = graphs, fns, shapes, mrope
+        self.cache = graphs.verifier.cache
+        self.device = graphs.verifier.embed_tokens.weight.device
+
+    def _t(self, x) -> Tensor:
+        return torch.tensor(x, device=self.device)
+
+    def rows_needed(self, prompt_len: int) -> int:
+        c = self.shapes.chunk
+        return -(-prompt_len // c) * c  # padded prompt chunks (and context chunks) stay inside the cache
+
+    @staticmethod
+    def _pad_rows(x: Tensor, rows: int, dim: int) -> Tensor:
+        """Pad dim `dim` of x to `rows` by repeating its last entry (values that are never seen)."""
+        n = x.shape[dim]
+        if n == rows:
+            return x
+        last = x.narrow(dim, n - 1, 1)
+        reps = [1] * x.dim()
+        reps[dim] = rows - n
+        return torch.cat([x, last.repeat(*reps)], dim)
+
+    def prefill(self, embeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        c, p = self.shapes.chunk, embeds.shape[1]
+        feats, logits = [], None
+        for s in range(0, p, c):
+            n = min(c, p - s)
+            e = self._pad_rows(embeds[:, s : s + n], c, 1)  # [1, C, H]
+            pos = self._pad_rows(positions[..., s : s + n], c, positions.dim() - 1)
+            logits, f = self.fns["prefill"](e, pos, self._t(s), self._t([n - 1]))
+            feats.append(f[:n])
+        return logits[0], torch.cat(feats)
+
+    def verify(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor) -> tuple[Tensor, Tensor]:
+        return self.fns["verify"](tokens, positions, self._t(start), mask)
+
+    def draft(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int) -> Tensor:
+        b, c = self.shapes.block_size, self.shapes.chunk
+        m = ctx_feats.shape[0]
+        tail = (m - 1) % b + 1  # the last 1..B context rows go with the block
+        for s in range(0, m - tail, c):  # the prompt's context: chunks of C rows
+            chunk = ctx_feats[s : min(s + c, m - tail)]
+            self.fns["context"](self._pad_rows(chunk, c, 0), self._t(ctx_start + s))
+        ctx = self._pad_rows(ctx_feats[m - tail :], b, 0)  # [B, F]
+        return self.fns["draft"](ctx, self._t(ctx_start + m - tail), self._t(bonus), self._t(block_start))
+
+    def commit(self, path: list[int], start: int) -> None:
+        if path != list(range(len(path))):
+            b = self.shapes.block_size
+            src = [start + i for i in path] + [start + i for i in range(len(path), b)]  # fixed B rows
+            self.cache.move_rows(self._t(src), self._t(start))
+
+
+def compiled_fns(graphs: StaticGraphs) -> dict:
+    """Each graph under torch.compile(fullgraph=True, dynamic=False): one compiled frame per graph
+    and shape (a verify per tree-budget bucket). On CUDA, "reduce-overhead" replays each as a CUDA
+    graph: the caches are module buffers (static addresses), the small inputs are copied in."""
+    mode = "reduce-overhead" if graphs.verifier.embed_tokens.weight.is_cuda else None
+    names = GRAPHS if graphs.draft_pass is not None else GRAPHS[:2]
+    return {n: torch.compile(getattr(graphs, n), fullgraph=True, dynamic=False, mode=mode) for n in names}
