@@ -48,7 +48,8 @@ def example_inputs(graphs, shapes, mrope: bool, budgets, chain: bool) -> dict:
         return p[None].expand(3, 1, n).contiguous() if mrope else p
 
     c, b = shapes.chunk, shapes.block_size
-    out = {"prefill": (torch.zeros(1, c, hidden, dtype=dtype, device=dev), pos(c), zero(), torch.tensor([c - 1], device=dev))}
+    embeds = torch.zeros(1, c, hidden, dtype=dtype, device=dev)
+    out = {"prefill": (embeds, pos(c), zero(), torch.tensor([c - 1], device=dev))}
     for budget in budgets:
         t = verify_rows(budget, chain, b)
         mask = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
@@ -75,7 +76,8 @@ def build(decoder, out: Path, budgets, chain: bool, chunk: int, manifest: dict, 
     for name, args in bar:
         bar.set_postfix_str(name)
         file = out / f"{name}.pt2"
-        files[name] = {"file": file.name, "inputs": [[list(a.shape), str(a.dtype).removeprefix("torch.")] for a in args]}
+        inputs = [[list(a.shape), str(a.dtype).removeprefix("torch.")] for a in args]
+        files[name] = {"file": file.name, "inputs": inputs}
         if file.exists():  # finished by an earlier (interrupted) build
             continue
         t0 = time.perf_counter()

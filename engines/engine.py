@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from glance_rt.engines.manifest import FORMAT, check_manifest, read_manifest, source, versions, write_manifest
+
 from glance_rt.errors import GlanceError
 
 ENGINE_BACKENDS = ("aoti",)
@@ -31,7 +32,8 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(32,), cha
     config = {"backend": backend, "budgets": list(budgets), "chain": chain, "max_len": max_len, "chunk": chunk}
     if (out / "manifest.json").exists():
         raise GlanceError(f"{out} already holds an engine: pick another --out, or delete it to rebuild")
-    dec = glance_rt.Decoder(target, drafter, tree_budget=max(budgets) or 1, chain=chain, max_length=max_len, chunk=chunk)
+    dec = glance_rt.Decoder(target, drafter, tree_budget=max(budgets) or 1, chain=chain, max_length=max_len,
+                            chunk=chunk)
     manifest = {"format": FORMAT, **config, "block_size": dec.drafter.block_size if drafter is not None else 1,
                 "source": source(target, drafter), "versions": versions(),
                 "target_source": None if target_source is None else str(target_source),
@@ -42,7 +44,8 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(32,), cha
             raise GlanceError(f"{out} is not empty and holds no engine build: pick an empty or new --out folder")
         old = json.loads(started.read_text())
         if old != {k: manifest[k] for k in old}:
-            raise GlanceError(f"{out} holds an unfinished build of another engine ({old}); delete it or pick another --out")
+            raise GlanceError(f"{out} holds an unfinished build of another engine ({old}); "
+                              "delete it or pick another --out")
     out.mkdir(parents=True, exist_ok=True)
     if not started.exists():
         keep = ("backend", "budgets", "chain", "max_len", "chunk", "source", "versions")

@@ -90,7 +90,8 @@ def check_manifest(m: dict, target, drafter, path) -> None:
             continue
         if have[k] != want:
             if k in labels:
-                problems.append(f"{labels[k]} differ ({(have[k] or 'none')[:12]} here, {(want or 'none')[:12]} in the engine)")
+                here, there = (have[k] or "none")[:12], (want or "none")[:12]
+                problems.append(f"{labels[k]} differ ({here} here, {there} in the engine)")
             else:
                 problems.append(f"{k} is {have[k]} here, engine built for {want}")
     if problems:

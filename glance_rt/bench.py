@@ -11,7 +11,7 @@ are per prompt (same prompt, same tokens) and summarised by their median and qua
 import json
 import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +29,8 @@ class BenchConfig:
     max_new_tokens: int = 128
     warmup: int = 1  # prompts run once per method before timing
     lookup_tokens: int = 10  # HF prompt_lookup_num_tokens
-    max_length: int = 4096
+    max_length: int | None = None  # static cache rows; None: the suite's longest prompt + max_new_tokens + scratch
+    engines: tuple[str, ...] = ()  # engine folders (glance-rt build-engine), benched as method "engine:NAME"
 
 
 @dataclass
@@ -90,21 +91,28 @@ def _hf_runner(target, cfg: BenchConfig, lookup: bool):
 
 
 def _glance_runner(target, drafter, cfg: BenchConfig, method: str, policy=None):
-    from glance_rt.decoder import Decoder
+    """Methods `ar`, `chain`, `tree-N`, `adaptive`, each optionally `@compile` (the compiled backend)."""
+    from glance_rt.decoder import BACKENDS, Decoder
 
-    if method == "adaptive":
-        if drafter is None:
-            raise Skip("needs a drafter")
-        dec = Decoder(target, drafter, tree_budget=policy, max_length=cfg.max_length)
-    elif method == "ar":
-        dec = Decoder(target, None, max_length=cfg.max_length)
+    base, _, backend = method.partition("@")
+    backend = backend or "eager"
+    if backend not in BACKENDS:
+        raise GlanceError(f"unknown backend in method {method!r}: use {', '.join(BACKENDS)}")
+    kw = {"max_length": cfg.max_length, "backend": backend}
+    if base == "ar":
+        dec = Decoder(target, None, **kw)
     elif drafter is None:
         raise Skip("needs a drafter (pass --drafter, or use the default target's shipped one)")
-    elif method == "chain":
-        dec = Decoder(target, drafter, chain=True, max_length=cfg.max_length)
+    elif base == "adaptive":
+        dec = Decoder(target, drafter, tree_budget=policy, **kw)
+    elif base == "chain":
+        dec = Decoder(target, drafter, chain=True, **kw)
     else:
-        dec = Decoder(target, drafter, tree_budget=int(method.split("-")[1]), max_length=cfg.max_length)
+        dec = Decoder(target, drafter, tree_budget=int(base.split("-")[1]), **kw)
+    return _decoder_runner(dec, cfg)
 
+
+def _decoder_runner(dec, cfg: BenchConfig):
     def run(inputs):
         start = time.perf_counter()
         res = dec.generate(max_new_tokens=cfg.max_new_tokens, **inputs)
@@ -113,12 +121,34 @@ def _glance_runner(target, drafter, cfg: BenchConfig, method: str, policy=None):
     return run
 
 
+def engine_method(dec, folder) -> str:
+    """`tree-32@aoti:NAME`: the eager method it computes, the engine's backend and folder name."""
+    base = "ar" if dec.drafter is None else "chain" if dec.chain else f"tree-{dec.tree_budget}"
+    return f"{base}@{dec.backend}:{Path(folder).name}"
+
+
 def make_runner(method: str, target, drafter, cfg: BenchConfig):
     if method in ("hf", "hf-lookup"):
         return _hf_runner(target, cfg, lookup=method == "hf-lookup")
-    if method in ("ar", "chain") or (method.startswith("tree-") and method[5:].isdigit()):
+    base = method.partition("@")[0]
+    if base in ("ar", "chain") or (base.startswith("tree-") and base[5:].isdigit()):
         return _glance_runner(target, drafter, cfg, method)
-    raise GlanceError(f"unknown method {method!r}: use ar, chain, tree-N, hf, hf-lookup")
+    raise GlanceError(f"unknown method {method!r}: use ar, chain, tree-N, adaptive (each optionally @compile), "
+                      "hf, hf-lookup")
+
+
+def eager_base(method: str) -> str | None:
+    """The eager method a compiled/engine method is compared with (`tree-16@compile` -> `tree-16`)."""
+    if "@" in method:
+        return method.partition("@")[0]
+    return None
+
+
+def suite_max_length(encoded: list[dict], cfg: BenchConfig) -> int:
+    """Static cache rows for a suite: longest prompt + max_new_tokens + one round's scratch, rounded
+    up to 64 (static backends attend over all of them, so no more than needed)."""
+    longest = max(e["input_ids"].shape[1] for e in encoded)
+    return -(-(longest + cfg.max_new_tokens + 1024 + 64) // 64) * 64
 
 
 def _peak_mb(device) -> float:
@@ -134,41 +164,50 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
 
     from glance_rt.train import open_images
 
+    if "hf" not in cfg.methods:
+        raise GlanceError("bench needs the 'hf' method: every output is checked against HF greedy decoding")
+    encoded = [target.encode_chat(r["prompt"], open_images(r, images_dir)) for r in rows]
+    if cfg.max_length is None:
+        cfg = replace(cfg, max_length=suite_max_length(encoded, cfg))
     runners, skipped = {}, {}
     for m in cfg.methods:
         try:
-            if m != "adaptive":
+            if m.partition("@")[0] != "adaptive":
                 runners[m] = make_runner(m, target, drafter, cfg)
         except Skip as e:
             skipped[m] = str(e)
             log(f"[bench] skipping {m}: {e}")
-    if "hf" not in runners:
-        raise GlanceError("bench needs the 'hf' method: every output is checked against HF greedy decoding")
-    encoded = [target.encode_chat(r["prompt"], open_images(r, images_dir)) for r in rows]
-    calibration: dict[int, list] = {}
+    for folder in cfg.engines:
+        from glance_rt.decoder import Decoder
+
+        dec = Decoder.from_engine(folder, target, drafter)
+        runners[engine_method(dec, folder)] = _decoder_runner(dec, cfg)
+    calibration: dict[str, dict[int, list]] = {}  # backend -> budget -> rounds
     policy = None
     for inputs in encoded[: cfg.warmup]:
         for m, run in runners.items():
             stats = run(inputs)[3]
-            if m.startswith("tree-") and stats is not None:
-                calibration.setdefault(int(m[5:]), []).extend(
+            base, _, backend = m.partition("@")
+            if base.startswith("tree-") and stats is not None:
+                calibration.setdefault(backend or "eager", {}).setdefault(int(base[5:]), []).extend(
                     zip(stats.prior_entropy, stats.accepted_lengths, stats.round_seconds, strict=True))
-    if "adaptive" in cfg.methods:
+    for adaptive in [m for m in cfg.methods if m.partition("@")[0] == "adaptive"]:
         try:
             from glance_rt.adaptive import calibrate
 
             if drafter is None:
                 raise Skip("needs a drafter")
-            if not calibration:
-                raise Skip("needs tree-N methods and --warmup >= 1 to calibrate its buckets")
-            policy = calibrate(calibration)
-            runners["adaptive"] = _glance_runner(target, drafter, cfg, "adaptive", policy)
+            backend = adaptive.partition("@")[2] or "eager"
+            if not calibration.get(backend):
+                raise Skip("needs tree-N methods on the same backend and --warmup >= 1 to calibrate its buckets")
+            policy = calibrate(calibration[backend])
+            runners[adaptive] = _glance_runner(target, drafter, cfg, adaptive, policy)
             log("[bench] adaptive buckets: " + ", ".join(
                 f"N={b.budget}: tau={b.intercept:.2f}{b.slope:+.2f}*H, {b.seconds_per_round * 1e3:.1f} ms/round"
                 for b in policy.buckets))
         except (Skip, GlanceError) as e:
-            skipped["adaptive"] = str(e)
-            log(f"[bench] skipping adaptive: {e}")
+            skipped[adaptive] = str(e)
+            log(f"[bench] skipping {adaptive}: {e}")
     order = ["hf"] + [m for m in runners if m != "hf"]
     records, mismatches, partial = [], [], False
     bar = tqdm(total=len(rows) * len(order), desc="bench", disable=not progress, dynamic_ncols=True)
@@ -247,6 +286,7 @@ def method_summary(records: list[Record], method: str, kind: str | None = None) 
         "tok_s": _quartiles([r.tok_s for r in rs]),
         "speedup_vs_ar": _quartiles(_ratios(records, method, "ar", kind)),
         "speedup_vs_hf": _quartiles(_ratios(records, method, "hf", kind)),
+        "speedup_vs_eager": _quartiles(_ratios(records, method, base, kind)) if (base := eager_base(method)) else None,
         "tau": float(np.mean(lens)) if lens else None,
         "tau_hist": hist,
         "draft_passes_per_round": (sum(r.draft_passes for r in rs) / rounds) if rounds else None,
@@ -310,13 +350,14 @@ def markdown(report: dict) -> str:
         lines += ["**Partial report (interrupted).**", ""]
     if report["mismatches"]:
         lines += [f"**{len(report['mismatches'])} OUTPUT MISMATCH(ES) vs HF greedy:** {report['mismatches']}", ""]
-    lines += ["| method | tok/s | × same-engine AR | × HF generate | τ | draft passes/round | TTFT s | mismatches |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["| method | tok/s | × same-engine AR | × HF generate | × its eager method | τ | draft passes/round | "
+              "TTFT s | mismatches |", "|---|---|---|---|---|---|---|---|---|"]
     for m, s in report["overall"].items():
         tau = f"{s['tau']:.2f}" if s["tau"] is not None else "–"
         dpr = f"{s['draft_passes_per_round']:.2f}" if s["draft_passes_per_round"] is not None else "–"
-        lines.append(f"| {m} | {_fmt(s['tok_s'])} | {_fmt(s['speedup_vs_ar'])} | {_fmt(s['speedup_vs_hf'])} | {tau} | "
-                     f"{dpr} | {_fmt(s['ttft'])} | {s['mismatches']} |")
+        eager = _fmt(s["speedup_vs_eager"]) if s.get("speedup_vs_eager") else "–"
+        lines.append(f"| {m} | {_fmt(s['tok_s'])} | {_fmt(s['speedup_vs_ar'])} | {_fmt(s['speedup_vs_hf'])} | "
+                     f"{eager} | {tau} | {dpr} | {_fmt(s['ttft'])} | {s['mismatches']} |")
     lines += ["", "Per kind, median speedup over same-engine AR (per-prompt ratios):", "",
               "| kind | " + " | ".join(report["overall"]) + " |", "|---" * (len(report["overall"]) + 1) + "|"]
     for kind, ms in report["kinds"].items():

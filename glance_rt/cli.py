@@ -55,17 +55,26 @@ def _load(target_path, drafter_path, dtype, device):
 @click.option("--max-length", default=2048, show_default=True, type=int, help="Static cache rows.")
 @DTYPE
 @DEVICE
+@click.option("--backend", default="eager", show_default=True, type=click.Choice(["eager", "compile"]),
+              help="compile: fixed-shape passes under torch.compile (CUDA graphs on a GPU).")
+@click.option("--engine", "engine_dir", type=click.Path(), default=None,
+              help="Run a built engine (glance-rt build-engine); its manifest sets budget, shapes and sources.")
 @click.option("--stats", is_flag=True, help="Print acceptance and timing statistics after the answer.")
 def generate(target_path, drafter_path, images, prompt, max_new_tokens, tree_budget, chain, max_length, dtype,
-             device, stats):
+             device, backend, engine_dir, stats):
     """Stream the target's exact greedy answer to PROMPT, drafted and tree-verified."""
     try:
         from glance_rt.decoder import Decoder
 
-        target, drafter = _load(target_path, drafter_path, dtype, device)
+        if engine_dir is not None:
+            dec = _engine_decoder(engine_dir, target_path, drafter_path)
+            target = dec.target
+        else:
+            target, drafter = _load(target_path, drafter_path, dtype, device)
+            dec = Decoder(target, drafter, tree_budget=tree_budget, chain=chain, max_length=max_length,
+                          backend=backend)
         pil = [_open_image(p) for p in images]
         inputs = target.encode_chat(prompt, pil)
-        dec = Decoder(target, drafter, tree_budget=tree_budget, chain=chain, max_length=max_length)
         start = time.perf_counter()
         stream = dec.stream(max_new_tokens=max_new_tokens, **inputs)
         for piece in stream:
@@ -199,16 +208,18 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, tr
 @click.option("--per-kind", default=4, show_default=True, type=int, help="At most N prompts of each kind.")
 @SUITE_IMAGES
 @click.option("--methods", default="ar,chain,tree-8,tree-16,tree-32,tree-64,adaptive,hf,hf-lookup", show_default=True,
-              help="Comma-separated: ar, chain, tree-N, adaptive, hf, hf-lookup.")
+              help="Comma-separated: ar, chain, tree-N, adaptive (each optionally @compile), hf, hf-lookup.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--warmup", default=1, show_default=True, type=int, help="Prompts run untimed first.")
 @DTYPE
 @DEVICE
+@click.option("--engine", "engines", type=click.Path(), multiple=True,
+              help="Also bench a built engine (repeatable), as method BASE@BACKEND:NAME.")
 @click.option("--json", "json_out", type=click.Path(), default=None, help="Machine-readable report.")
 @click.option("--report", "report_md", type=click.Path(), default=None, help="Markdown report.")
 @click.option("--plots", "plot_dir", type=click.Path(), default=None, help="Folder for PNG plots.")
 def bench(target_path, drafter_path, suite, per_kind, images, methods, max_new_tokens, warmup, dtype, device,
-          json_out, report_md, plot_dir):
+          engines, json_out, report_md, plot_dir):
     """Methods side by side in one process, interleaved per prompt, every output checked against HF greedy."""
     from glance_rt import bench as bench_mod
     from glance_rt.suites import suite_rows
@@ -217,7 +228,7 @@ def bench(target_path, drafter_path, suite, per_kind, images, methods, max_new_t
         target, drafter = _load(target_path, drafter_path, dtype, device)
         rows = suite_rows(suite, per_kind)
         cfg = bench_mod.BenchConfig(methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
-                                    max_new_tokens=max_new_tokens, warmup=warmup)
+                                    max_new_tokens=max_new_tokens, warmup=warmup, engines=tuple(engines))
         report = bench_mod.run_bench(target, drafter, rows, cfg, images, log=lambda m: click.echo(m, err=True))
         bench_mod.write_outputs(report, json_out, report_md, plot_dir)
     except GlanceError as e:
@@ -225,6 +236,53 @@ def bench(target_path, drafter_path, suite, per_kind, images, methods, max_new_t
     click.echo(bench_mod.markdown(report))
     if report["mismatches"]:
         raise SystemExit(1)
+
+
+def _engine_decoder(engine_dir, target_path, drafter_path):
+    """Decoder.from_engine, with --target/--drafter overriding the sources its manifest names."""
+    import glance_rt
+    from glance_rt.engines.manifest import read_manifest
+
+    m = read_manifest(engine_dir)
+    target = drafter = None
+    if target_path is not None or drafter_path is not None:
+        target = glance_rt.load_target(target_path or m["target_source"], dtype=m["source"]["dtype"],
+                                       device=m["source"]["device"])
+    if drafter_path is not None:
+        drafter = glance_rt.load_drafter(drafter_path, target)
+    return glance_rt.Decoder.from_engine(engine_dir, target, drafter)
+
+
+@main.command("build-engine")
+@TARGET
+@DRAFTER
+@click.option("--backend", default="aoti", show_default=True, type=click.Choice(["aoti"]),
+              help="aoti: AOTInductor packages (one .pt2 per static graph).")
+@click.option("--tree-budget", "budgets", default=(32,), show_default=True, type=int, multiple=True,
+              help="Tree budget bucket (repeatable): one verify graph each.")
+@click.option("--chain", is_flag=True, help="Build the width-1 chain's verify graph instead.")
+@click.option("--max-length", default=1024, show_default=True, type=int,
+              help="Static cache rows (prompt + new tokens + one round); attention reads all of them.")
+@click.option("--chunk", default=64, show_default=True, type=int, help="Prompt rows per prefill pass.")
+@click.option("--no-drafter", is_flag=True, help="Build autoregression only.")
+@DTYPE
+@DEVICE
+@click.option("--out", required=True, type=click.Path(), help="Engine folder (resumes an interrupted build).")
+def build_engine(target_path, drafter_path, backend, budgets, chain, max_length, chunk, no_drafter, dtype, device,
+                 out):
+    """Compile the draft, verify and prefill passes of a target (+ drafter) into an engine folder."""
+    from glance_rt.engines.engine import build_engine as build
+
+    try:
+        target, drafter = _load(target_path, drafter_path, dtype, device)
+        if no_drafter:
+            drafter = None
+        start = time.perf_counter()
+        build(target, drafter, out, backend=backend, budgets=budgets, chain=chain, max_len=max_length, chunk=chunk,
+              target_source=target_path, drafter_source=drafter_path)
+    except GlanceError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"engine: {out} ({backend}, {time.perf_counter() - start:.0f} s)")
 
 
 def _open_image(path):

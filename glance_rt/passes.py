@@ -107,7 +107,7 @@ class StaticPasses:
         """Pad dim `dim` of x to `rows` by repeating its last entry (values that are never seen)."""
         n = x.shape[dim]
         if n == rows:
-            return x
+            return x.clone(memory_format=torch.contiguous_format)  # graphs are specialised to standard strides
         last = x.narrow(dim, n - 1, 1)
         reps = [1] * x.dim()
         reps[dim] = rows - n
@@ -125,6 +125,7 @@ class StaticPasses:
         return logits[0], torch.cat(feats)
 
     def verify(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor) -> tuple[Tensor, Tensor]:
+        positions = positions.clone(memory_format=torch.contiguous_format)
         return self.fns["verify"](tokens, positions, self._t(start), mask)
 
     def draft(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int) -> Tensor:

@@ -1,0 +1,114 @@
+"""AOTInductor engines (`glance-rt build-engine --backend aoti`, `Decoder.from_engine`): tokens ==
+HF greedy from the built packages; the manifest refuses other weights, versions and budgets; an
+interrupted build resumes; the CLI builds and runs one."""
+
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+import glance_rt
+from glance_rt.cli import main
+from glance_rt.engines.engine import build_engine
+from tests.conftest import hf_greedy, tiny_target
+from tests.test_cli import model_folder
+from tests.tiny_models import VLM_ARCHS, make_inputs
+
+NEW = 20
+
+
+def drafter_for(target, seed=1):
+    return glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def llama_engine(tmp_path_factory):
+    target, _, _ = tiny_target("llama")
+    out = tmp_path_factory.mktemp("engines") / "llama"
+    build_engine(target, drafter_for(target), out, budgets=(6, 12), max_len=192, chunk=8, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("budget", [6, 12])
+def test_aoti_engine_is_lossless(llama_engine, budget):
+    target, model, tok = tiny_target("llama")
+    inputs = make_inputs("llama", tok)
+    dec = glance_rt.Decoder.from_engine(llama_engine, target, drafter_for(target), tree_budget=budget)
+    assert dec.backend == "aoti"
+    assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(model, inputs, NEW)
+    other = make_inputs("llama", tok, prompt="A longer prompt, so that the prefill takes several chunks of eight.")
+    assert dec.generate(max_new_tokens=NEW, **other).token_ids == hf_greedy(model, other, NEW)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3"])
+def test_aoti_engine_vlm_and_autoregression(arch, tmp_path):
+    target, model, processor = tiny_target(arch)
+    inputs = make_inputs(arch, processor, n_images=1 if arch in VLM_ARCHS else 0)
+    ref = hf_greedy(model, inputs, NEW)
+    drafter = drafter_for(target) if arch in VLM_ARCHS else None  # M-RoPE tree engine / AR engine
+    build_engine(target, drafter, tmp_path / "e", budgets=(8,), max_len=256, chunk=16, progress=False)
+    dec = glance_rt.Decoder.from_engine(tmp_path / "e", target, drafter)
+    assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == ref
+
+
+def test_engine_refuses_what_it_was_not_built_for(llama_engine, tmp_path):
+    target, _, _ = tiny_target("llama")
+    with pytest.raises(glance_rt.GlanceError, match="drafter weights differ"):
+        glance_rt.Decoder.from_engine(llama_engine, target, drafter_for(target, seed=2))
+    with pytest.raises(glance_rt.GlanceError, match="tree budgets"):
+        glance_rt.Decoder.from_engine(llama_engine, target, drafter_for(target), tree_budget=32)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in llama_engine.iterdir():
+        os.symlink(f, copy / f.name) if f.name != "manifest.json" else None
+    m = json.loads((llama_engine / "manifest.json").read_text())
+    m["versions"]["torch"] = "1.0.0"
+    (copy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(glance_rt.GlanceError, match="torch .* engine built with 1.0.0"):
+        glance_rt.Decoder.from_engine(copy, target, drafter_for(target))
+    (copy / "manifest.json").unlink()
+    with pytest.raises(glance_rt.GlanceError, match="no finished engine"):
+        glance_rt.Decoder.from_engine(copy, target, drafter_for(target))
+    with pytest.raises(glance_rt.GlanceError, match="does not exist"):
+        glance_rt.Decoder.from_engine(tmp_path / "nope", target, drafter_for(target))
+    with pytest.raises(glance_rt.GlanceError, match="already holds an engine"):
+        build_engine(target, drafter_for(target), llama_engine, budgets=(6,), progress=False)
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(glance_rt.GlanceError, match="not empty"):
+        build_engine(target, drafter_for(target), tmp_path / "busy", budgets=(6,), progress=False)
+
+
+def test_interrupted_build_resumes(tmp_path):
+    target, model, tok = tiny_target("llama")
+    out = tmp_path / "e"
+    build_engine(target, None, out, max_len=128, chunk=8, progress=False)
+    (out / "manifest.json").unlink()  # as if killed before the last graph and the manifest
+    (out / "verify-1.pt2").unlink()
+    kept = (out / "prefill.pt2").stat().st_mtime_ns
+    with pytest.raises(glance_rt.GlanceError, match="unfinished build of another engine"):
+        build_engine(target, None, out, max_len=256, chunk=8, progress=False)
+    build_engine(target, None, out, max_len=128, chunk=8, progress=False)
+    assert (out / "prefill.pt2").stat().st_mtime_ns == kept and (out / "verify-1.pt2").exists()
+    inputs = make_inputs("llama", tok)
+    assert glance_rt.Decoder.from_engine(out, target).generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(
+        model, inputs, NEW)
+
+
+def test_cli_build_engine_then_generate(tmp_path_factory, tmp_path):
+    path = model_folder("qwen3", str(tmp_path_factory.mktemp("models")))
+    target = glance_rt.load_target(path)
+    drafter_for(target).save(tmp_path / "drafter")
+    out = tmp_path / "engine"
+    result = CliRunner().invoke(main, ["build-engine", "--target", path, "--drafter", str(tmp_path / "drafter"),
+                                       "--tree-budget", "4", "--tree-budget", "8", "--max-length", "128",
+                                       "--chunk", "16", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "manifest.json").read_text())["budgets"] == [4, 8]
+    inputs = target.encode_chat("Hello there.")
+    want = target.decode(hf_greedy(target.hf_model, inputs, 12))
+    result = CliRunner().invoke(main, ["generate", "--engine", str(out), "--prompt", "Hello there.",
+                                       "--max-new-tokens", "12", "--stats"])
+    assert result.exit_code == 0, result.output
+    assert want.strip() in result.stdout and "draft passes" in result.stderr

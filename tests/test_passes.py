@@ -1,0 +1,127 @@
+"""Static-shape passes (`glance_rt.passes`) and the torch.compile backend: the same tokens as HF
+greedy (fp32) with chunked prefill, padded drafter context and fixed-size compaction exercised by
+decoy drafters; the drafter's logits equal the eager pass's; compiled rounds never recompile."""
+
+import pytest
+import torch
+
+import glance_rt
+from glance_rt.passes import GRAPHS
+from tests.conftest import OracleDrafter, hf_greedy, tiny_target
+from tests.tiny_models import ARCHS, VLM_ARCHS, make_inputs
+
+NEW = 24
+
+
+def static_decoder(target, drafter, chunk: int, oracle=None, spy=None, **kw):
+    """A Decoder over StaticPasses whose graphs run eagerly (no compiler). With `oracle`, the real
+    draft graph still runs (writing the context cache) but the oracle's logits are drafted."""
+    dec = glance_rt.Decoder(target, drafter, **kw)
+
+    def fns(graphs):
+        f = {n: getattr(graphs, n) for n in GRAPHS}
+        draft = f["draft"]
+
+        def wrapped(ctx, ctx_start, bonus, block_start):
+            out = draft(ctx, ctx_start, bonus, block_start)
+            if spy is not None:
+                spy.append(out)
+            return out if oracle is None else oracle(None, 0, int(bonus), int(block_start))
+
+        f["draft"] = wrapped
+        return f
+
+    dec.passes = dec.static_passes(fns, chunk)
+    return dec
+
+
+def case(arch):
+    target, model, processor = tiny_target(arch)
+    inputs = make_inputs(arch, processor, n_images=1 if arch in VLM_ARCHS else 0)
+    return target, model, inputs, hf_greedy(model, inputs, NEW)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree-decoy"])
+def test_static_passes_are_lossless(arch, mode):
+    target, _, inputs, ref = case(arch)
+    p = inputs["input_ids"].shape[1]
+    drafter = None if mode == "ar" else glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=2)
+    oracle = OracleDrafter(p, ref, target.vocab_size, 4, decoy=True) if mode == "tree-decoy" else None
+    kw = {"chain": True} if mode == "chain" else {"tree_budget": 24}
+    dec = static_decoder(target, drafter, chunk=5, oracle=oracle, max_length=256, **kw)  # 5: prompts end mid-chunk
+    res = dec.generate(max_new_tokens=NEW, **inputs)
+    assert res.token_ids == ref
+    if mode == "tree-decoy":
+        assert max(res.stats.accepted_lengths) == 4  # scattered accepted rows: compaction ran
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_static_draft_pass_equals_eager(arch):
+    """Padded context rows (prompt chunks, B-row rounds) leave the drafter's logits unchanged."""
+    target, _, inputs, ref = case(arch)
+    p = inputs["input_ids"].shape[1]
+    drafter = glance_rt.init_drafter(target, num_layers=2, block_size=4, seed=4)
+    seen = {"eager": [], "static": []}
+    oracle = OracleDrafter(p, ref, target.vocab_size, 4, decoy=True)  # same acceptance in both runs
+    eager = glance_rt.Decoder(target, drafter, tree_budget=12, max_length=256)
+    real = eager.passes.draft
+
+    def spy_eager(*a):
+        seen["eager"].append(real(*a))
+        return oracle(None, 0, a[2], a[3])
+
+    eager.passes.draft = spy_eager
+    assert eager.generate(max_new_tokens=NEW, **inputs).token_ids == ref
+    oracle.rng = OracleDrafter(p, ref, target.vocab_size, 4, decoy=True).rng
+    static = static_decoder(target, drafter, chunk=3, oracle=oracle, spy=seen["static"], tree_budget=12, max_length=256)
+    assert static.generate(max_new_tokens=NEW, **inputs).token_ids == ref
+    assert len(seen["eager"]) == len(seen["static"]) > 3
+    for a, b in zip(seen["eager"], seen["static"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_static_passes_refuse_protocol_drafters_and_bad_backends():
+    target, _, inputs, ref = case("llama")
+    oracle = OracleDrafter(inputs["input_ids"].shape[1], ref, target.vocab_size, 4)
+    oracle.block_size = 4
+    with pytest.raises(glance_rt.GlanceError, match="GlanceDrafter"):
+        glance_rt.Decoder(target, oracle, backend="compile")
+    with pytest.raises(glance_rt.GlanceError, match="unknown backend"):
+        glance_rt.Decoder(target, None, backend="tensorrt")
+    with pytest.raises(glance_rt.GlanceError, match="chunk"):
+        glance_rt.Decoder(target, None, backend="compile", chunk=0)
+
+
+def unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_compile_backend_is_lossless_and_never_recompiles(arch):
+    """After one warm-up generation, generations with other prompts (other lengths, so other
+    prefill chunk counts and acceptance patterns) add no compiled graph."""
+    torch._dynamo.reset()
+    target, model, processor = tiny_target(arch)
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=3)
+    dec = glance_rt.Decoder(target, drafter, tree_budget=8, max_length=256, backend="compile", chunk=8)
+    first = make_inputs(arch, processor, n_images=1 if arch in VLM_ARCHS else 0)
+    before = unique_graphs()
+    assert dec.generate(max_new_tokens=NEW, **first).token_ids == hf_greedy(model, first, NEW)
+    warm = unique_graphs()
+    assert warm - before == 4  # prefill, verify, draft, context: one graph each
+    vlm = arch in VLM_ARCHS
+    for prompt, n_images, new in [("Hi", 0, 30), ("Count the objects, then name their colours, one by one.",
+                                                   2 if vlm else 0, 20), ("What is it?", 1 if vlm else 0, 27)]:
+        inputs = make_inputs(arch, processor, prompt=prompt, n_images=n_images, seed=new)
+        assert dec.generate(max_new_tokens=new, **inputs).token_ids == hf_greedy(model, inputs, new)
+    assert unique_graphs() == warm
+
+
+def test_compile_backend_autoregression():
+    torch._dynamo.reset()
+    target, model, inputs, ref = case("qwen3")
+    dec = glance_rt.Decoder(target, None, max_length=128, backend="compile", chunk=16)
+    assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == ref
