@@ -7,10 +7,10 @@ import os
 
 import pytest
 from click.testing import CliRunner
+from glance_rt.engines.engine import build_engine
 
 import glance_rt
 from glance_rt.cli import main
-from glance_rt.engines.engine import build_engine
 from tests.conftest import hf_greedy, tiny_target
 from tests.test_cli import model_folder
 from tests.tiny_models import VLM_ARCHS, make_inputs
