@@ -65,3 +65,18 @@ def test_shipped_drafter_loads_and_is_lossless(cases):
         res = glance_rt.Decoder(target, drafter, tree_budget=32).generate(max_new_tokens=NEW, **inputs)
         assert res.token_ids == ref
         assert res.stats.draft_passes == res.stats.rounds
+
+
+def test_shipped_drafter_compiled_and_aoti_engine_match_hf(cases, tmp_path):
+    """The compiled backend and an AOTInductor engine of the default target + shipped drafter give
+    HF's greedy tokens (the eager backend is covered above)."""
+    from glance_rt.engines.engine import build_engine
+
+    target, items = cases
+    drafter = glance_rt.load_drafter(None, target)
+    compiled = glance_rt.Decoder(target, drafter, tree_budget=16, max_length=256, backend="compile")
+    build_engine(target, drafter, tmp_path / "engine", budgets=(16,), max_len=256, progress=False)
+    engine = glance_rt.Decoder.from_engine(tmp_path / "engine", target, drafter)
+    for inputs, ref in items:
+        assert compiled.generate(max_new_tokens=NEW, **inputs).token_ids == ref
+        assert engine.generate(max_new_tokens=NEW, **inputs).token_ids == ref
