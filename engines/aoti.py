@@ -53,7 +53,8 @@ def example_inputs(graphs, shapes, mrope: bool, budgets, chain: bool) -> dict:
     for budget in budgets:
         t = verify_rows(budget, chain, b)
         mask = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-        out[f"verify-{t}"] = (torch.zeros(t, dtype=torch.long, device=dev), pos(t), zero(), mask)
+        parent = torch.arange(-1, t - 1, device=dev)
+        out[f"verify-{t}"] = (torch.zeros(t, dtype=torch.long, device=dev), pos(t), zero(), mask, parent)
     if graphs.draft_pass is not None:
         feats = len(graphs.verifier.feature_layers) * hidden
         ctx = torch.zeros(b, feats, dtype=dtype, device=dev)
@@ -108,12 +109,12 @@ def runners(path: Path, manifest: dict, graphs) -> dict:
         loaded[name] = runner
     verify = {int(n.split("-")[1]): r for n, r in loaded.items() if n.startswith("verify-")}
 
-    def run_verify(tokens, positions, start, mask):
+    def run_verify(tokens, positions, start, mask, parent):
         runner = verify.get(tokens.shape[0])
         if runner is None:
             raise GlanceError(f"this engine has verify graphs for {sorted(verify)} rows, not {tokens.shape[0]}: "
                               "use one of its tree budgets or rebuild with --tree-budget")
-        return runner(tokens, positions, start, mask)
+        return runner(tokens, positions, start, mask, parent)
 
     fns = {"verify": run_verify, "prefill": loaded["prefill"]}
     for name in ("draft", "context"):

@@ -43,3 +43,25 @@ def compact(cache, path: list[int], start: int) -> None:
     if path != list(range(len(path))):
         src = torch.tensor([start + i for i in path], device=cache.k0.device)
         cache.move_rows(src, start)
+
+
+def accept_path(parent, tokens, greedy, depth: int):
+    """`accept` on tensors with a fixed number of steps (no host sync, so it can run inside a
+    compiled graph or CUDA graph). parent, tokens, greedy [T] int64 -> path [depth+1] int64: the
+    accepted rows, root first, then -1 after the last accepted row. Among equal siblings the
+    lowest row wins, as in `Tree.children`."""
+    import torch
+
+    t = tokens.shape[0]
+    rows = torch.arange(t, device=tokens.device)
+    cur = torch.zeros((), dtype=torch.long, device=tokens.device)
+    alive = torch.ones((), dtype=torch.bool, device=tokens.device)
+    out = [cur]
+    for _ in range(depth):
+        want = greedy.index_select(0, cur.view(1))  # [1]: the target's token after row cur
+        match = (parent == cur) & (tokens == want)  # [T]: children of cur carrying it
+        alive = alive & match.any()
+        nxt = torch.where(match, rows, t).min()
+        cur = torch.where(alive, nxt, cur)
+        out.append(torch.where(alive, nxt, -1))
+    return torch.stack(out)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from glance_rt.commit import accept, apply_stops, committed_tokens
+from glance_rt.commit import apply_stops, committed_tokens
 from glance_rt.errors import GlanceError
 from glance_rt.model import TargetDecoder
 from glance_rt.passes import EagerPasses
@@ -192,13 +192,12 @@ class Decoder:
             mask = torch.from_numpy(tree.mask).to(dev)
             index = torch.from_numpy(tree.depth).to(dev) + block_start
             clock.lap("tree")
-            logits, feats = self.passes.verify(tokens, self._positions(index, pre.rope_delta), block_start, mask)
-            greedy = logits.argmax(-1).cpu().numpy()  # [N+1]
+            positions = self._positions(index, pre.rope_delta)
+            logits, feats, greedy, path = self.passes.verify(tree, tokens, positions, block_start, mask)  # greedy [N+1]
             stats.root_entropy.append(entropy(logits[0]))
             stats.prior_entropy.append(prior)
             stats.budgets.append(budget)
             clock.lap("verify")
-            path = accept(tree, greedy)
             run = committed_tokens(tree, greedy, path)
             kept, done = apply_stops(run, produced, max_new_tokens, self.eos_ids)
             produced += len(kept)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from glance_rt.commit import compact
+from glance_rt.commit import accept, accept_path, compact
 from glance_rt.model import TargetDecoder
 
 GRAPHS = ("prefill", "verify", "draft", "context")
@@ -37,11 +37,14 @@ class EagerPasses:
         logits, feats = self.verifier(embeds, positions, torch.tensor(0, device=dev), causal, p, last)
         return logits[0], feats
 
-    def verify(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """tokens [T], positions [1, T] / [3, 1, T], tree mask [T, T] -> logits [T, V], features [T, F]."""
+    def verify(self, tree, tokens: Tensor, positions: Tensor, start: int, mask: Tensor):
+        """tokens [T], positions [1, T] / [3, 1, T], tree mask [T, T] -> logits [T, V], features
+        [T, F], the target's argmax at every row (numpy [T]) and the accepted path (row list)."""
         embeds = self.verifier.embed_tokens(tokens)[None]  # [1, T, H]
         start_t = torch.tensor(start, device=tokens.device)
-        return self.verifier(embeds, positions, start_t, mask, start + tokens.shape[0])
+        logits, feats = self.verifier(embeds, positions, start_t, mask, start + tokens.shape[0])
+        greedy = logits.argmax(-1).cpu().numpy()
+        return logits, feats, greedy, accept(tree, greedy)
 
     def draft(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int) -> Tensor:
         return self.drafter(ctx_feats, ctx_start, bonus, block_start)
@@ -54,7 +57,8 @@ class StaticGraphs(nn.Module):
     """The fixed-shape graphs of one target (+ drafter), sharing their weights and caches.
 
     prefill(embeds [1, C, H], positions, start [], last [1]) -> logits [1, V], features [C, F]
-    verify(tokens [T], positions, start [], mask [T, T]) -> logits [T, V], features [T, F]
+    verify(tokens [T], positions, start [], mask [T, T], parent [T]) -> logits [T, V], features [T, F],
+        greedy [T] (the target's argmax per row), path [B] (accepted rows, then -1; on the device)
     draft(ctx [B, F], ctx_start [], bonus [], block_start []) -> draft logits [B-1, V]
     context(ctx [C, F], ctx_start []) -> nothing (writes the drafter's context cache)
     """
@@ -70,8 +74,11 @@ class StaticGraphs(nn.Module):
         causal = torch.ones(c, c, dtype=torch.bool, device=embeds.device).tril()
         return self.verifier(embeds, positions, start, causal, self.max_len, last)
 
-    def verify(self, tokens: Tensor, positions: Tensor, start: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        return self.verifier(self.verifier.embed_tokens(tokens)[None], positions, start, mask, self.max_len)
+    def verify(self, tokens: Tensor, positions: Tensor, start: Tensor, mask: Tensor, parent: Tensor):
+        logits, feats = self.verifier(self.verifier.embed_tokens(tokens)[None], positions, start, mask, self.max_len)
+        greedy = logits.argmax(-1)  # [T]
+        depth = self.draft_pass.block_size - 1 if self.draft_pass is not None else 0
+        return logits, feats, greedy, accept_path(parent, tokens, greedy, depth)
 
     def draft(self, ctx: Tensor, ctx_start: Tensor, bonus: Tensor, block_start: Tensor) -> Tensor:
         return self.draft_pass.step(ctx, ctx_start, bonus, block_start, self.max_len)
@@ -124,9 +131,13 @@ class StaticPasses:
             feats.append(f[:n])
         return logits[0], torch.cat(feats)
 
-    def verify(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor) -> tuple[Tensor, Tensor]:
+    def verify(self, tree, tokens: Tensor, positions: Tensor, start: int, mask: Tensor):
+        """As EagerPasses.verify; acceptance runs inside the graph, the host reads greedy and path."""
         positions = positions.clone(memory_format=torch.contiguous_format)
-        return self.fns["verify"](tokens, positions, self._t(start), mask)
+        parent = torch.from_numpy(tree.parent).to(self.device)
+        logits, feats, greedy, path = self.fns["verify"](tokens, positions, self._t(start), mask, parent)
+        path = [int(i) for i in path.tolist() if i >= 0]
+        return logits, feats, greedy.cpu().numpy(), path
 
     def draft(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int) -> Tensor:
         b, c = self.shapes.block_size, self.shapes.chunk

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from glance_rt.commit import accept, apply_stops, committed_tokens
+from glance_rt.commit import accept, accept_path, apply_stops, committed_tokens
 from glance_rt.errors import GlanceError
 from glance_rt.tree import build_tree, check_budget
 
@@ -112,6 +112,22 @@ def test_tree_is_top_prefixes(logits, budget):
              for p in itertools.product(range(vocab), repeat=k)), reverse=True)
         kth = all_scores[n_real - 1]
         assert min(scores) >= kth - 1e-4  # (float32 top-k vs float64 sums)
+
+
+@settings(max_examples=300, deadline=None)
+@given(logits=logits_strategy, budget=st.integers(1, 40), seed=st.integers(0, 10_000), noise=st.floats(0, 1))
+def test_device_acceptance_equals_host_acceptance(logits, budget, seed, noise):
+    """accept_path (fixed steps, tensors: what compiled / CUDA-graph verify runs) == accept, for target
+    argmaxes that follow the tree, leave it anywhere, or are random."""
+    draft = torch.tensor(logits)
+    vocab = draft.shape[1]
+    rng = np.random.default_rng(seed)
+    tree = build_tree(draft, int(rng.integers(0, vocab)), budget)
+    g = np.array([target_next(row_prefix(tree, i), vocab) for i in range(tree.size)])
+    g = np.where(rng.random(tree.size) < noise, rng.integers(0, vocab, tree.size), g)
+    path = accept_path(*(torch.from_numpy(a) for a in (tree.parent, tree.tokens, g)), draft.shape[0])
+    want = accept(tree, g)
+    assert path.tolist() == want + [-1] * (draft.shape[0] + 1 - len(want))
 
 
 def test_chain_is_top1_path():
