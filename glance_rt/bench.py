@@ -145,10 +145,13 @@ def eager_base(method: str) -> str | None:
 
 
 def suite_max_length(encoded: list[dict], cfg: BenchConfig) -> int:
-    """Static cache rows for a suite: longest prompt + max_new_tokens + one round's scratch, rounded
-    up to 64 (static backends attend over all of them, so no more than needed)."""
+    """Static cache rows for a suite: longest prompt + max_new_tokens + one round's scratch (the
+    largest tree of the methods, or a 64-row block), rounded up to 64: static backends attend over
+    all of them, so no more than needed."""
     longest = max(e["input_ids"].shape[1] for e in encoded)
-    return -(-(longest + cfg.max_new_tokens + 1024 + 64) // 64) * 64
+    trees = [int(b[5:]) for m in cfg.methods if (b := m.partition("@")[0]).startswith("tree-") and b[5:].isdigit()]
+    scratch = max([n + 1 for n in trees] + [64])
+    return -(-(longest + cfg.max_new_tokens + scratch) // 64) * 64
 
 
 def _peak_mb(device) -> float:

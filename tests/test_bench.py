@@ -108,3 +108,24 @@ def test_cli_bench(tmp_path):
                                   "--report", str(tmp_path / "r.md"), "--plots", str(tmp_path / "p")])
     assert r.exit_code == 0, r.output
     assert "| ar |" in r.stdout and json.loads((tmp_path / "r.json").read_text())["target"]
+
+
+def test_compiled_and_engine_methods_are_compared_with_their_eager_method(tmp_path):
+    from glance_rt.bench import suite_max_length
+    from glance_rt.engines.engine import build_engine
+
+    target, _, _ = tiny_target("llama")
+    drafter = glance_rt.init_drafter(target, block_size=4, seed=1)
+    cfg = BenchConfig(methods=("tree-4", "tree-4@compile", "adaptive@compile", "hf"), max_new_tokens=10, warmup=1)
+    encoded = [target.encode_chat(r["prompt"]) for r in ROWS]
+    assert suite_max_length(encoded, cfg) % 64 == 0
+    build_engine(target, drafter, tmp_path / "e", budgets=(4,), max_len=suite_max_length(encoded, cfg), chunk=16,
+                 progress=False)
+    cfg = BenchConfig(**{**cfg.__dict__, "engines": (str(tmp_path / "e"),)})
+    rep = run_bench(target, drafter, ROWS, cfg, progress=False, log=quiet)
+    assert rep["mismatches"] == [] and not rep["skipped"]
+    assert set(rep["overall"]) == {"hf", "tree-4", "tree-4@compile", "tree-4@aoti:e", "adaptive@compile"}
+    for m in ("tree-4@compile", "tree-4@aoti:e"):
+        assert rep["overall"][m]["speedup_vs_eager"]["n"] == len(ROWS)
+    assert rep["overall"]["tree-4"]["speedup_vs_eager"] is None
+    assert "× its eager method" in markdown(rep)
