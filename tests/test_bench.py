@@ -111,8 +111,9 @@ def test_cli_bench(tmp_path):
 
 
 def test_compiled_and_engine_methods_are_compared_with_their_eager_method(tmp_path):
-    from glance_rt.bench import suite_max_length
     from glance_rt.engines.engine import build_engine
+
+    from glance_rt.bench import suite_max_length
 
     target, _, _ = tiny_target("llama")
     drafter = glance_rt.init_drafter(target, block_size=4, seed=1)
