@@ -68,33 +68,43 @@ def pass_figures(target, drafter, backend: str, args, device) -> dict:
     root = build_tree(None, 0, 0)
     fig["ar_step_s"] = timed(lambda: ar.passes.verify(root, tok, pos, args.context, one), args.reps, device)
     for budget in args.budgets:
-        dec = glance_rt.Decoder(target, drafter, tree_budget=budget, max_length=args.max_length, backend=backend)
-        logits, feats = dec.passes.prefill(pre.embeds[None].to(target.dtype), pre.positions[None].to(device))
-        b = dec.drafter.block_size
-        dec.passes.draft(feats, 0, 0, args.context)  # the prompt's context, once
-        ctx = feats[-b:]
+        fig.update(budget_figures(target, drafter, backend, budget, pre, args, device))
+    return fig
 
-        def draft():
-            return dec.passes.draft(ctx[:1], args.context - 1, 0, args.context)
 
-        draft_logits = draft()
-        tree = build_tree(draft_logits.float().cpu(), 0, budget)
-        tokens = torch.from_numpy(tree.tokens).to(device)
-        mask = torch.from_numpy(tree.mask).to(device)
-        positions = (torch.from_numpy(tree.depth).to(device) + args.context)[None]
+def budget_figures(target, drafter, backend: str, budget: int, pre, args, device) -> dict:
+    """Draft, verify and whole-round latencies at one tree budget."""
+    import glance_rt
+    from glance_rt.tree import build_tree
 
-        def verify():
-            return dec.passes.verify(tree, tokens, positions, args.context, mask)
+    fig = {}
+    dec = glance_rt.Decoder(target, drafter, tree_budget=budget, max_length=args.max_length, backend=backend)
+    logits, feats = dec.passes.prefill(pre.embeds[None].to(target.dtype), pre.positions[None].to(device))
+    b = dec.drafter.block_size
+    dec.passes.draft(feats, 0, 0, args.context)  # the prompt's context, once
+    ctx = feats[-b:]
 
-        def round_():
-            t = build_tree(draft().float().cpu(), 0, budget)
-            _, _, _, path = dec.passes.verify(t, torch.from_numpy(t.tokens).to(device), positions,
-                                              args.context, torch.from_numpy(t.mask).to(device))
-            dec.passes.commit(path, args.context)
+    def draft():
+        return dec.passes.draft(ctx[:1], args.context - 1, 0, args.context)
 
-        fig["draft_s"] = timed(draft, args.reps, device)
-        fig[f"verify_{budget}_s"] = timed(verify, args.reps, device)
-        fig[f"round_{budget}_s"] = timed(round_, args.reps, device)
+    draft_logits = draft()
+    tree = build_tree(draft_logits.float().cpu(), 0, budget)
+    tokens = torch.from_numpy(tree.tokens).to(device)
+    mask = torch.from_numpy(tree.mask).to(device)
+    positions = (torch.from_numpy(tree.depth).to(device) + args.context)[None]
+
+    def verify():
+        return dec.passes.verify(tree, tokens, positions, args.context, mask)
+
+    def round_():
+        t = build_tree(draft().float().cpu(), 0, budget)
+        _, _, _, path = dec.passes.verify(t, torch.from_numpy(t.tokens).to(device), positions,
+                                          args.context, torch.from_numpy(t.mask).to(device))
+        dec.passes.commit(path, args.context)
+
+    fig["draft_s"] = timed(draft, args.reps, device)
+    fig[f"verify_{budget}_s"] = timed(verify, args.reps, device)
+    fig[f"round_{budget}_s"] = timed(round_, args.reps, device)
     return fig
 
 

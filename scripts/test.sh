@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check glance_rt export engines tests
+.venv/bin/ruff check glance_rt export engines tests scripts
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
