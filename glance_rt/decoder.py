@@ -128,7 +128,7 @@ class Decoder:
                               "use backend='eager' for other drafter objects")
         graphs = StaticGraphs(self.verifier, self.drafter)
         block = self.drafter.block_size if self.drafter is not None else 1
-        return StaticPasses(graphs, make_fns(graphs), StaticShapes(chunk, block), self.mrope)
+        return StaticPasses(graphs, make_fns(graphs), StaticShapes(chunk, block))
 
     @classmethod
     def from_engine(cls, path, target=None, drafter=None, tree_budget=None) -> "Decoder":

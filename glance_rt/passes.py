@@ -97,8 +97,8 @@ class StaticShapes:
 class StaticPasses:
     """Fixed-shape passes over `fns` (name -> callable with the StaticGraphs signatures)."""
 
-    def __init__(self, graphs: StaticGraphs, fns: dict, shapes: StaticShapes, mrope: bool):
-        self.graphs, self.fns, self.shapes, self.mrope = graphs, fns, shapes, mrope
+    def __init__(self, graphs: StaticGraphs, fns: dict, shapes: StaticShapes):
+        self.graphs, self.fns, self.shapes = graphs, fns, shapes
         self.cache = graphs.verifier.cache
         self.device = graphs.verifier.embed_tokens.weight.device
 
@@ -128,7 +128,7 @@ class StaticPasses:
             e = self._pad_rows(embeds[:, s : s + n], c, 1)  # [1, C, H]
             pos = self._pad_rows(positions[..., s : s + n], c, positions.dim() - 1)
             logits, f = self.fns["prefill"](e, pos, self._t(s), self._t([n - 1]))
-            feats.append(f[:n])
+            feats.append(f[:n].clone())  # a CUDA-graph replay of the next chunk reuses f's memory
         return logits[0], torch.cat(feats)
 
     def verify(self, tree, tokens: Tensor, positions: Tensor, start: int, mask: Tensor):
