@@ -29,45 +29,11 @@ class _Entry(nn.Module):
         return getattr(self.graphs, self.name)(*args)
 
 
-def verify_rows(budget: int, chain: bool, block_size: int) -> int:
-    """Rows of the verify graph for a tree budget (the root included)."""
-    return (min(budget, block_size - 1) if chain else budget) + 1
-
-
-def example_inputs(graphs, shapes, mrope: bool, budgets, chain: bool) -> dict:
-    """name -> example args of every graph to build (what fixes its shapes)."""
-    v = graphs.verifier
-    dev, dtype = v.embed_tokens.weight.device, v.embed_tokens.weight.dtype
-    hidden = v.embed_tokens.weight.shape[1]
-
-    def zero():  # a fresh scalar per argument: an input passed twice would be exported as one
-        return torch.tensor(0, device=dev)
-
-    def pos(n: int):
-        p = torch.arange(n, device=dev)[None]
-        return p[None].expand(3, 1, n).contiguous() if mrope else p
-
-    c, b = shapes.chunk, shapes.block_size
-    embeds = torch.zeros(1, c, hidden, dtype=dtype, device=dev)
-    out = {"prefill": (embeds, pos(c), zero(), torch.tensor([c - 1], device=dev))}
-    for budget in budgets:
-        t = verify_rows(budget, chain, b)
-        mask = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
-        parent = torch.arange(-1, t - 1, device=dev)
-        out[f"verify-{t}"] = (torch.zeros(t, dtype=torch.long, device=dev), pos(t), zero(), mask, parent)
-    if graphs.draft_pass is not None:
-        feats = len(graphs.verifier.feature_layers) * hidden
-        ctx = torch.zeros(b, feats, dtype=dtype, device=dev)
-        out["draft"] = (ctx, zero(), zero(), torch.tensor(b, device=dev))
-        out["context"] = (torch.zeros(c, feats, dtype=dtype, device=dev), zero())
-    return out
-
-
 def build(decoder, out: Path, budgets, chain: bool, chunk: int, manifest: dict, progress: bool = True) -> None:
     """Export and AOT-compile every graph into `out` (resumable: finished packages are kept)."""
     from tqdm import tqdm
 
-    from glance_rt.passes import StaticGraphs, StaticShapes
+    from glance_rt.passes import StaticGraphs, StaticShapes, example_inputs
 
     graphs = StaticGraphs(decoder.verifier, decoder.drafter)
     block = decoder.drafter.block_size if decoder.drafter is not None else 1

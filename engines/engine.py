@@ -8,7 +8,7 @@ from glance_rt.engines.manifest import FORMAT, check_manifest, read_manifest, so
 
 from glance_rt.errors import GlanceError
 
-ENGINE_BACKENDS = ("aoti",)
+ENGINE_BACKENDS = ("aoti", "onnxruntime")
 
 
 def _backend(name: str):
@@ -16,6 +16,10 @@ def _backend(name: str):
         from glance_rt.engines import aoti
 
         return aoti
+    if name in ("onnxruntime", "onnx"):  # a `glance-rt export` folder also runs as-is
+        from glance_rt.engines import onnxruntime
+
+        return onnxruntime
     raise GlanceError(f"unknown engine backend {name!r}: choose one of {', '.join(ENGINE_BACKENDS)}")
 
 

@@ -78,9 +78,16 @@ def read_manifest(path, backend: str | None = None) -> dict:
 
 def check_manifest(m: dict, target, drafter, path) -> None:
     """Refuse an engine built for another target, drafter, dtype, device or library versions."""
+    from importlib import metadata
+
     problems = []
     have_versions = versions()
     for k, want in m["versions"].items():
+        if k not in have_versions:  # a backend's own library (onnx, onnxruntime, ...)
+            try:
+                have_versions[k] = metadata.version(k)
+            except metadata.PackageNotFoundError:
+                have_versions[k] = None
         if have_versions.get(k) != want:
             problems.append(f"{k} {have_versions.get(k)} here, engine built with {want}")
     have = source(target, drafter)

@@ -163,3 +163,37 @@ def compiled_fns(graphs: StaticGraphs) -> dict:
     mode = "reduce-overhead" if graphs.verifier.embed_tokens.weight.is_cuda else None
     names = GRAPHS if graphs.draft_pass is not None else GRAPHS[:2]
     return {n: torch.compile(getattr(graphs, n), fullgraph=True, dynamic=False, mode=mode) for n in names}
+
+
+def verify_rows(budget: int, chain: bool, block_size: int) -> int:
+    """Rows of the verify graph for a tree budget (the root included)."""
+    return (min(budget, block_size - 1) if chain else budget) + 1
+
+
+def example_inputs(graphs, shapes, mrope: bool, budgets, chain: bool) -> dict:
+    """name -> example args of every graph to build (what fixes its shapes)."""
+    v = graphs.verifier
+    dev, dtype = v.embed_tokens.weight.device, v.embed_tokens.weight.dtype
+    hidden = v.embed_tokens.weight.shape[1]
+
+    def zero():  # a fresh scalar per argument: an input passed twice would be exported as one
+        return torch.tensor(0, device=dev)
+
+    def pos(n: int):
+        p = torch.arange(n, device=dev)[None]
+        return p[None].expand(3, 1, n).contiguous() if mrope else p
+
+    c, b = shapes.chunk, shapes.block_size
+    embeds = torch.zeros(1, c, hidden, dtype=dtype, device=dev)
+    out = {"prefill": (embeds, pos(c), zero(), torch.tensor([c - 1], device=dev))}
+    for budget in budgets:
+        t = verify_rows(budget, chain, b)
+        mask = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+        parent = torch.arange(-1, t - 1, device=dev)
+        out[f"verify-{t}"] = (torch.zeros(t, dtype=torch.long, device=dev), pos(t), zero(), mask, parent)
+    if graphs.draft_pass is not None:
+        feats = len(graphs.verifier.feature_layers) * hidden
+        ctx = torch.zeros(b, feats, dtype=dtype, device=dev)
+        out["draft"] = (ctx, zero(), zero(), torch.tensor(b, device=dev))
+        out["context"] = (torch.zeros(c, feats, dtype=dtype, device=dev), zero())
+    return out

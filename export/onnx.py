@@ -1,0 +1,247 @@
+"""ONNX export of the static graphs (`glance_rt.passes.StaticGraphs`), tree attention as ONE node.
+
+Every attention is a single `glance.TreeAttention` node (domain `glance`, version 1, attribute
+`scale`; inputs q [1, H, T, D], k, v [1, KVH, L, D], tree_mask [T, T] bool, prefix_len [] int64).
+Flavors:
+- `portable`: the model also carries `glance.TreeAttention` as a model-local ONNX function whose
+  body is standard ops (ONNX Runtime or any runtime inlines it);
+- `plugin`: the node alone, for a runtime that registers a kernel for it (the TensorRT plugin,
+  an ONNX Runtime custom op).
+
+KV caches are explicit: each graph takes every cache it reads as inputs (`past_k_i`, `past_v_i`,
+[1, KVH, L, D], L = max_len) and returns only the rows it wrote (`new_k_i`, `new_v_i`); the runtime
+writes those rows into its own caches, so a cache is never copied through the graph boundary.
+"""
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from glance_rt.errors import GlanceError
+
+FLAVORS = ("portable", "plugin")
+DOMAIN, VERSION = "glance", 1
+_SCHEMA = []
+
+
+def _onnxscript():
+    try:
+        import onnx  # noqa: F401
+        import onnxscript
+    except ImportError as e:
+        raise GlanceError("ONNX export needs onnx and onnxscript: pip install 'glance-rt[onnx]'") from e
+    return onnxscript
+
+
+def _register_schema() -> None:
+    """Declare glance.TreeAttention to ONNX (once), so exporters and checkers know its signature."""
+    if _SCHEMA:
+        return
+    from onnx import defs
+
+    p = defs.OpSchema.FormalParameter
+    schema = defs.OpSchema(
+        "TreeAttention", DOMAIN, VERSION,
+        doc="Attention of T query rows over L cache rows: rows < prefix_len visible to all; rows "
+            "[prefix_len, prefix_len + T) visible where tree_mask; the rest invisible.",
+        inputs=[p("q", "T"), p("k", "T"), p("v", "T"), p("tree_mask", "tensor(bool)"),
+                p("prefix_len", "tensor(int64)")],
+        outputs=[p("out", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float tensors")],
+        attributes=[defs.OpSchema.Attribute("scale", defs.OpSchema.AttrType.FLOAT, "softmax scale")],
+    )
+    try:
+        defs.register_schema(schema)
+    except Exception as e:  # already registered in this process (by an earlier import)
+        if "already" not in str(e).lower():
+            raise
+    _SCHEMA.append(schema)
+
+
+def tree_attention_function(opset: int):
+    """glance.TreeAttention as an ONNX FunctionProto with a standard-op body (the portable flavor)."""
+    from glance_rt.export.onnx_function import TreeAttention
+
+    fp = TreeAttention.to_function_proto()
+    fp.name, fp.domain = "TreeAttention", DOMAIN
+    for imp in fp.opset_import:
+        if imp.domain == "":
+            imp.version = opset
+    return fp
+
+
+def _translation():
+    onnxscript = _onnxscript()
+    _register_schema()
+    glance = onnxscript.values.Opset(DOMAIN, VERSION)
+
+    def tree_attention(q, k, v, tree_mask, prefix_len, scale: float):
+        return glance.TreeAttention(q, k, v, tree_mask, prefix_len, scale=scale)
+
+    return {torch.ops.glance.tree_attention.default: tree_attention}
+
+
+def _caches(graphs, name: str) -> list:
+    """The KVCache modules a graph reads and writes."""
+    return [graphs.draft_pass.cache] if name in ("draft", "context") else [graphs.verifier.cache]
+
+
+class _Graph(nn.Module):
+    """One static graph with its caches as explicit inputs and its written rows as outputs."""
+
+    def __init__(self, graphs, name: str, n_inputs: int):
+        super().__init__()
+        self.graphs, self.name, self.n_inputs = graphs, name, n_inputs
+
+    def written(self, args) -> torch.Tensor:
+        """The cache rows the graph's `new_*` outputs hold. The draft pass writes its context rows
+        [ctx_start, ctx_start + B) then its block [block_start, block_start + B), block_start <=
+        ctx_start + B: the fixed window [ctx_start, ctx_start + 2B), clamped to the cache."""
+        if self.name == "prefill":
+            return args[2] + torch.arange(args[0].shape[1])
+        if self.name == "verify":
+            return args[2] + torch.arange(args[0].shape[0])
+        if self.name == "draft":
+            b, last = self.graphs.draft_pass.block_size, self.graphs.max_len - 1
+            return (args[1] + torch.arange(2 * b)).clamp(max=last)
+        return args[1] + torch.arange(args[0].shape[0])  # context
+
+    def forward(self, *inputs):
+        args, kv = inputs[: self.n_inputs], inputs[self.n_inputs :]
+        caches = _caches(self.graphs, self.name)
+        i = 0
+        for cache in caches:
+            for layer in range(cache.layers):
+                setattr(cache, f"k{layer}", kv[i])
+                setattr(cache, f"v{layer}", kv[i + 1])
+                i += 2
+        out = getattr(self.graphs, self.name)(*args)
+        out = out if isinstance(out, tuple) else (out,)
+        rows = self.written(args)
+        return (*out, *(t.index_select(2, rows) for t in kv))
+
+
+def _names(graphs, name: str, args) -> tuple[list[str], list[str]]:
+    ins = {"prefill": ["embeds", "positions", "start", "last"],
+           "verify": ["tokens", "positions", "start", "tree_mask", "parent"],
+           "draft": ["ctx", "ctx_start", "bonus", "block_start"],
+           "context": ["ctx", "ctx_start"]}[name]
+    outs = {"prefill": ["logits", "features"], "verify": ["logits", "features", "greedy", "path"],
+            "draft": ["draft_logits"], "context": ["done"]}[name]
+    kv_in, kv_out = [], []
+    for cache in _caches(graphs, name):
+        for layer in range(cache.layers):
+            kv_in += [f"past_k_{layer}", f"past_v_{layer}"]
+            kv_out += [f"new_k_{layer}", f"new_v_{layer}"]
+    return ins + kv_in, outs + kv_out
+
+
+def written_rows(graphs, name: str, args) -> torch.Tensor:
+    """The cache rows a graph's `new_*` outputs hold (what the runtime writes back), from its inputs."""
+    return _Graph(graphs, name, 0).written(args)
+
+
+def _describe(info: dict) -> str:
+    lines = []
+    for g in info.values():
+        lines += [f"## {g['file']}", "", "| | name | shape | dtype |", "|---|---|---|---|"]
+        lines += [f"| in | {n} | {s} | {d} |" for n, s, d in g["inputs"]]
+        lines += [f"| out | {n} | {s} | {d} |" for n, s, d in g["outputs"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def export_onnx(decoder, out, budgets, chain: bool, chunk: int, flavor: str = "portable", opset: int = 20,
+                progress: bool = True) -> dict:
+    """Export every static graph of `decoder`'s target (+ drafter) into `out` (resumable: finished
+    graphs are kept; each is written to a temporary name, checked, then renamed)."""
+    import onnx
+    from tqdm import tqdm
+
+    from glance_rt.passes import StaticGraphs, StaticShapes, example_inputs
+
+    if flavor not in FLAVORS:
+        raise GlanceError(f"unknown flavor {flavor!r}: choose {' or '.join(FLAVORS)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    graphs = StaticGraphs(decoder.verifier, decoder.drafter)
+    block = decoder.drafter.block_size if decoder.drafter is not None else 1
+    jobs = example_inputs(graphs, StaticShapes(chunk, block), decoder.mrope, budgets, chain)
+    table, info = _translation(), {}
+    bar = tqdm(jobs.items(), desc="onnx graphs", unit="graph", disable=not progress)
+    for key, args in bar:
+        bar.set_postfix_str(key)
+        name = key.split("-")[0]
+        caches = _caches(graphs, name)
+        kv = [b.detach().clone() for c in caches for b in c.buffers()]
+        ins, outs = _names(graphs, name, args)
+        file = out / f"{key}.onnx"
+        if not file.exists():
+            saved = [(c, dict(c.named_buffers())) for c in caches]
+            for c, bufs in saved:  # the caches become graph inputs, not initializers
+                for n in bufs:
+                    delattr(c, n)
+            try:
+                with torch.no_grad():
+                    prog = torch.onnx.export(_Graph(graphs, name, len(args)), (*args, *kv), dynamo=True,
+                                             custom_translation_table=table, input_names=ins, output_names=outs,
+                                             opset_version=opset, optimize=True, verbose=False)
+            finally:
+                for c, bufs in saved:
+                    for n, b in bufs.items():
+                        if hasattr(c, n):
+                            delattr(c, n)
+                        c.register_buffer(n, b, persistent=False)
+            model = prog.model_proto
+            if flavor == "portable":
+                model.functions.append(tree_attention_function(opset))
+            onnx.checker.check_model(model, full_check=flavor == "portable")
+            tmp = out / f"{key}.tmp.onnx"
+            onnx.save(model, str(tmp), save_as_external_data=True, location=f"{key}.onnx.data")
+            tmp.replace(file)
+        model = onnx.load(str(file), load_external_data=False)
+        shapes = [[list(a.shape), str(a.dtype).removeprefix("torch.")] for a in (*args, *kv)]
+        info[key] = {"file": file.name, "inputs": [[n, *s] for n, s in zip(ins, shapes, strict=True)],
+                     "outputs": [[o.name, [d.dim_value or d.dim_param for d in o.type.tensor_type.shape.dim],
+                                  onnx.TensorProto.DataType.Name(o.type.tensor_type.elem_type).lower()]
+                                 for o in model.graph.output],
+                     "tree_attention_nodes": sum(n.op_type == "TreeAttention" and n.domain == DOMAIN
+                                                 for n in model.graph.node)}
+    (out / "GRAPHS.md").write_text("# ONNX graphs\n\n" + _describe(info))
+    return info
+
+
+
+
+def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20, budgets=(32,), chain: bool = False,
+                 max_len: int = 1024, chunk: int = 64, target_source=None, drafter_source=None,
+                 progress: bool = True) -> Path:
+    """`glance-rt export`: ONNX graphs of `target` (+ `drafter`) and their manifest, in `out`."""
+    from glance_rt.engines.manifest import FORMAT, source, versions, write_manifest
+
+    import glance_rt
+
+    budgets = tuple(sorted(set(budgets))) if drafter is not None else (0,)
+    out = Path(out)
+    if (out / "manifest.json").exists():
+        raise GlanceError(f"{out} already holds an export: pick another --out, or delete it to export again")
+    if out.exists() and any(p.suffix not in (".onnx", ".data") for p in out.iterdir()):
+        raise GlanceError(f"{out} is not empty and holds no unfinished export: pick an empty or new --out folder")
+    dec = glance_rt.Decoder(target, drafter, tree_budget=max(budgets) or 1, chain=chain, max_length=max_len,
+                            chunk=chunk)
+    graphs = export_onnx(dec, out, budgets, chain, chunk, flavor, opset, progress)
+    from importlib import metadata
+
+    import onnx
+
+    manifest = {"format": FORMAT, "backend": "onnx", "flavor": flavor, "opset": opset, "budgets": list(budgets),
+                "chain": chain, "max_len": max_len, "chunk": chunk,
+                "block_size": dec.drafter.block_size if drafter is not None else 1,
+                "tree_attention": {"domain": DOMAIN, "op_type": "TreeAttention", "version": VERSION},
+                "source": source(target, drafter), "versions": {**versions(), "onnx": onnx.__version__,
+                                                                 "onnxscript": metadata.version("onnxscript")},
+                "target_source": None if target_source is None else str(target_source),
+                "drafter_source": None if drafter_source is None else str(drafter_source), "graphs": graphs}
+    write_manifest(out, manifest)
+    return out
