@@ -256,8 +256,9 @@ def _engine_decoder(engine_dir, target_path, drafter_path):
 @main.command("build-engine")
 @TARGET
 @DRAFTER
-@click.option("--backend", default="aoti", show_default=True, type=click.Choice(["aoti"]),
-              help="aoti: AOTInductor packages (one .pt2 per static graph).")
+@click.option("--backend", default="aoti", show_default=True, type=click.Choice(["aoti", "onnxruntime"]),
+              help="aoti: AOTInductor packages (one .pt2 per static graph); onnxruntime: exported ONNX graphs "
+                   "saved optimized for ONNX Runtime.")
 @click.option("--tree-budget", "budgets", default=(32,), show_default=True, type=int, multiple=True,
               help="Tree budget bucket (repeatable): one verify graph each.")
 @click.option("--chain", is_flag=True, help="Build the width-1 chain's verify graph instead.")
@@ -283,6 +284,37 @@ def build_engine(target_path, drafter_path, backend, budgets, chain, max_length,
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"engine: {out} ({backend}, {time.perf_counter() - start:.0f} s)")
+
+
+@main.command("export")
+@TARGET
+@DRAFTER
+@click.option("--out", required=True, type=click.Path(), help="Export folder (resumes an interrupted export).")
+@click.option("--tree-budget", "budgets", default=(32,), show_default=True, type=int, multiple=True,
+              help="Tree budget bucket (repeatable): one verify graph each.")
+@click.option("--chain", is_flag=True, help="Export the width-1 chain's verify graph instead.")
+@click.option("--max-length", default=1024, show_default=True, type=int, help="Static cache rows.")
+@click.option("--chunk", default=64, show_default=True, type=int, help="Prompt rows per prefill graph call.")
+@click.option("--opset", default=20, show_default=True, type=int)
+@click.option("--flavor", default="portable", show_default=True, type=click.Choice(["portable", "plugin"]),
+              help="portable: tree attention also as a model-local ONNX function (runs anywhere); "
+                   "plugin: the glance.TreeAttention node alone, for a runtime with its kernel (TensorRT plugin).")
+@click.option("--no-drafter", is_flag=True, help="Export the target's graphs only.")
+@DTYPE
+def export(target_path, drafter_path, out, budgets, chain, max_length, chunk, opset, flavor, no_drafter, dtype):
+    """Export the target's prefill and tree-verify graphs and the drafter's graphs to ONNX."""
+    from glance_rt.export.onnx import export_model
+
+    try:
+        target, drafter = _load(target_path, drafter_path, dtype, "cpu")
+        if no_drafter:
+            drafter = None
+        start = time.perf_counter()
+        export_model(target, drafter, out, flavor=flavor, opset=opset, budgets=budgets, chain=chain,
+                     max_len=max_length, chunk=chunk, target_source=target_path, drafter_source=drafter_path)
+    except GlanceError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"onnx: {out} ({flavor}, opset {opset}, {time.perf_counter() - start:.0f} s); graphs in {out}/GRAPHS.md")
 
 
 def _open_image(path):

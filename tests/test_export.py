@@ -1,0 +1,114 @@
+"""`glance-rt export` (ONNX): every graph passes onnx.checker; tree attention is one
+`glance.TreeAttention` node per attention in both flavors; per-graph parity with the torch static
+graphs through ONNX Runtime; end-to-end tokens == HF greedy through ONNX Runtime on every
+architecture; `build-engine --backend onnxruntime`; the CLI."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+
+import glance_rt
+from glance_rt.cli import main
+from glance_rt.export.onnx import export_model, written_rows
+from glance_rt.passes import StaticGraphs, StaticShapes, example_inputs
+from tests.conftest import hf_greedy, tiny_target
+from tests.test_cli import model_folder
+from tests.tiny_models import ARCHS, VLM_ARCHS, make_inputs
+
+NEW = 16
+
+
+def drafter_for(target):
+    return glance_rt.init_drafter(target, num_layers=2, block_size=4, seed=1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_onnxruntime_runs_the_export_losslessly(arch, tmp_path):
+    target, model, processor = tiny_target(arch)
+    inputs = make_inputs(arch, processor, n_images=1 if arch in VLM_ARCHS else 0)
+    drafter = drafter_for(target)
+    export_model(target, drafter, tmp_path / "x", budgets=(6,), max_len=128, chunk=8, progress=False)
+    dec = glance_rt.Decoder.from_engine(tmp_path / "x", target, drafter)
+    assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(model, inputs, NEW)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_every_graph_matches_its_torch_graph(arch, tmp_path):
+    import onnxruntime as ort
+
+    target, _, _ = tiny_target(arch)
+    drafter = drafter_for(target)
+    export_model(target, drafter, tmp_path / "x", budgets=(5,), max_len=96, chunk=8, progress=False)
+    m = json.loads((tmp_path / "x" / "manifest.json").read_text())
+    dec = glance_rt.Decoder(target, drafter, tree_budget=5, max_length=96)
+    graphs = StaticGraphs(dec.verifier, dec.drafter)
+    gen = torch.Generator().manual_seed(0)
+    for cache in (graphs.verifier.cache, graphs.draft_pass.cache):  # random cache contents, both sides
+        for b in cache.buffers():
+            b.copy_(torch.randn(b.shape, generator=gen))
+    for key, args in example_inputs(graphs, StaticShapes(8, 4), dec.mrope, (5,), False).items():
+        name = key.split("-")[0]
+        args = tuple(a.clone() for a in args)
+        if name in ("prefill", "context"):
+            args = (torch.randn(args[0].shape, generator=gen), *args[1:])
+        args = (*args[:-2], torch.tensor(9), args[-1]) if name == "draft" else args
+        if name != "draft":
+            args = (args[0], args[1], torch.tensor(20), *args[3:]) if name != "context" else (args[0], torch.tensor(20))
+        model = onnx.load(str(tmp_path / "x" / m["graphs"][key]["file"]))
+        onnx.shape_inference.infer_shapes(model, strict_mode=True)
+        sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        cache = graphs.draft_pass.cache if name in ("draft", "context") else graphs.verifier.cache
+        bufs = list(cache.buffers())
+        names = [i.name for i in sess.get_inputs()]
+        outs = sess.run(None, {n: a.numpy() for n, a in zip(names, [*args, *bufs], strict=True)})
+        with torch.no_grad():
+            want = getattr(graphs, name)(*args)
+        want = want if isinstance(want, tuple) else (want,)
+        rows = written_rows(graphs, name, args)
+        for got, ref in zip(outs, [*want, *(b.index_select(2, rows) for b in bufs)], strict=True):
+            np.testing.assert_allclose(got, ref.numpy(), rtol=1e-4, atol=1e-3, err_msg=f"{arch} {key}")
+
+
+def test_plugin_flavor_keeps_one_named_node_per_attention(tmp_path):
+    target, _, _ = tiny_target("qwen3")
+    drafter = drafter_for(target)
+    export_model(target, drafter, tmp_path / "p", flavor="plugin", budgets=(4,), max_len=64, chunk=8, progress=False)
+    m = json.loads((tmp_path / "p" / "manifest.json").read_text())
+    layers = target.text_config.num_hidden_layers
+    counts = {k: g["tree_attention_nodes"] for k, g in m["graphs"].items()}
+    assert counts == {"prefill": layers, "verify-5": layers, "draft": 2, "context": 0}
+    model = onnx.load(str(tmp_path / "p" / "verify-5.onnx"))
+    assert not model.functions  # the runtime must bring the kernel
+    nodes = [n for n in model.graph.node if n.domain == "glance"]
+    assert {n.op_type for n in nodes} == {"TreeAttention"} and all(n.attribute[0].name == "scale" for n in nodes)
+    onnx.checker.check_model(model)
+    with pytest.raises(glance_rt.GlanceError, match="plugin"):
+        glance_rt.Decoder.from_engine(tmp_path / "p", target, drafter)
+    with pytest.raises(glance_rt.GlanceError, match="already holds an export"):
+        export_model(target, drafter, tmp_path / "p", progress=False)
+
+
+def test_build_engine_onnxruntime_and_cli_export(tmp_path_factory, tmp_path):
+    path = model_folder("llama", str(tmp_path_factory.mktemp("models")))
+    target = glance_rt.load_target(path)
+    drafter_for(target).save(tmp_path / "drafter")
+    result = CliRunner().invoke(main, ["build-engine", "--backend", "onnxruntime", "--target", path, "--drafter",
+                                       str(tmp_path / "drafter"), "--tree-budget", "6", "--max-length", "128",
+                                       "--chunk", "16", "--out", str(tmp_path / "ort")])
+    assert result.exit_code == 0, result.output
+    m = json.loads((tmp_path / "ort" / "manifest.json").read_text())
+    assert m["backend"] == "onnxruntime" and all(g["file"].endswith(".opt.onnx") for g in m["graphs"].values())
+    inputs = target.encode_chat("Hello there.")
+    want = target.decode(hf_greedy(target.hf_model, inputs, 12))
+    result = CliRunner().invoke(main, ["generate", "--engine", str(tmp_path / "ort"), "--prompt", "Hello there.",
+                                       "--max-new-tokens", "12"])
+    assert result.exit_code == 0, result.output
+    assert want.strip() in result.stdout
+    result = CliRunner().invoke(main, ["export", "--target", path, "--no-drafter", "--max-length", "64",
+                                       "--chunk", "16", "--out", str(tmp_path / "x")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "x" / "GRAPHS.md").read_text().count("## ") == 2  # prefill, verify
