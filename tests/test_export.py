@@ -10,10 +10,10 @@ import onnx
 import pytest
 import torch
 from click.testing import CliRunner
+from glance_rt.export.onnx import export_model, written_rows
 
 import glance_rt
 from glance_rt.cli import main
-from glance_rt.export.onnx import export_model, written_rows
 from glance_rt.passes import StaticGraphs, StaticShapes, example_inputs
 from tests.conftest import hf_greedy, tiny_target
 from tests.test_cli import model_folder
