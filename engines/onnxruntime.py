@@ -41,14 +41,13 @@ def _session(path: Path, info: dict, flavor: str):
 
 def runners(path: Path, manifest: dict, graphs) -> dict:
     """The callables StaticPasses runs, one ONNX Runtime session per graph."""
-    from glance_rt.export.onnx import written_rows
+    from glance_rt.export.onnx import graph_caches, written_rows
 
     fns, verify = {}, {}
     for key, info in manifest["graphs"].items():
         name = key.split("-")[0]
         sess = _session(path, info, manifest["flavor"])
-        cache = graphs.draft_pass.cache if name in ("draft", "context") else graphs.verifier.cache
-        bufs = [b for b in cache.buffers()]
+        bufs = [b for cache in graph_caches(graphs, name) for b in cache.buffers()]
         in_names = [i[0] for i in info["inputs"]]
         n_args = len(in_names) - len(bufs)
 

@@ -82,7 +82,7 @@ def _translation():
     return {torch.ops.glance.tree_attention.default: tree_attention}
 
 
-def _caches(graphs, name: str) -> list:
+def graph_caches(graphs, name: str) -> list:
     """The KVCache modules a graph reads and writes."""
     return [graphs.draft_pass.cache] if name in ("draft", "context") else [graphs.verifier.cache]
 
@@ -109,7 +109,7 @@ class _Graph(nn.Module):
 
     def forward(self, *inputs):
         args, kv = inputs[: self.n_inputs], inputs[self.n_inputs :]
-        caches = _caches(self.graphs, self.name)
+        caches = graph_caches(self.graphs, self.name)
         i = 0
         for cache in caches:
             for layer in range(cache.layers):
@@ -130,7 +130,7 @@ def _names(graphs, name: str, args) -> tuple[list[str], list[str]]:
     outs = {"prefill": ["logits", "features"], "verify": ["logits", "features", "greedy", "path"],
             "draft": ["draft_logits"], "context": ["done"]}[name]
     kv_in, kv_out = [], []
-    for cache in _caches(graphs, name):
+    for cache in graph_caches(graphs, name):
         for layer in range(cache.layers):
             kv_in += [f"past_k_{layer}", f"past_v_{layer}"]
             kv_out += [f"new_k_{layer}", f"new_v_{layer}"]
@@ -173,7 +173,7 @@ def export_onnx(decoder, out, budgets, chain: bool, chunk: int, flavor: str = "p
     for key, args in bar:
         bar.set_postfix_str(key)
         name = key.split("-")[0]
-        caches = _caches(graphs, name)
+        caches = graph_caches(graphs, name)
         kv = [b.detach().clone() for c in caches for b in c.buffers()]
         ins, outs = _names(graphs, name, args)
         file = out / f"{key}.onnx"
