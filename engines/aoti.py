@@ -60,6 +60,8 @@ def build(decoder, out: Path, budgets, chain: bool, chunk: int, manifest: dict, 
 def runners(path: Path, manifest: dict, graphs) -> dict:
     """Load every package with `graphs`' weights and caches as user-managed constants -> the
     callables StaticPasses runs (verify dispatches on the tree's row count)."""
+    from glance_rt.engines.engine import verify_by_rows
+
     consts = {}
     for n, t in [*graphs.named_parameters(remove_duplicate=False), *graphs.named_buffers(remove_duplicate=False)]:
         consts[f"graphs.{n}"] = t.detach()
@@ -75,14 +77,7 @@ def runners(path: Path, manifest: dict, graphs) -> dict:
         loaded[name] = runner
     verify = {int(n.split("-")[1]): r for n, r in loaded.items() if n.startswith("verify-")}
 
-    def run_verify(tokens, positions, start, mask, parent):
-        runner = verify.get(tokens.shape[0])
-        if runner is None:
-            raise GlanceError(f"this engine has verify graphs for {sorted(verify)} rows, not {tokens.shape[0]}: "
-                              "use one of its tree budgets or rebuild with --tree-budget")
-        return runner(tokens, positions, start, mask, parent)
-
-    fns = {"verify": run_verify, "prefill": loaded["prefill"]}
+    fns = {"verify": verify_by_rows(verify), "prefill": loaded["prefill"]}
     for name in ("draft", "context"):
         if name in loaded:
             fns[name] = loaded[name]

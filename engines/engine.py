@@ -23,17 +23,36 @@ def _backend(name: str):
     raise GlanceError(f"unknown engine backend {name!r}: choose one of {', '.join(ENGINE_BACKENDS)}")
 
 
+def verify_by_rows(verify: dict):
+    """One verify callable over per-bucket graphs (rows -> graph): picks the graph for tokens [T]."""
+
+    def run_verify(tokens, *rest):
+        graph = verify.get(tokens.shape[0])
+        if graph is None:
+            raise GlanceError(f"this engine has verify graphs for {sorted(verify)} rows, not {tokens.shape[0]}: "
+                              "use one of its tree budgets or rebuild with --tree-budget")
+        return graph(tokens, *rest)
+
+    return run_verify
+
+
 def build_engine(target, drafter, out, backend: str = "aoti", budgets=(32,), chain: bool = False,
                  max_len: int = 1024, chunk: int = 64, target_source=None, drafter_source=None,
-                 progress: bool = True) -> Path:
+                 progress: bool = True, flavor: str = "portable", ort_include=None) -> Path:
     """Build the static graphs of `target` (+ `drafter`) for `backend` into the folder `out`.
-    An interrupted build resumes from its finished graphs; the manifest is written last."""
+    An interrupted build resumes from its finished graphs; the manifest is written last.
+    `flavor` (onnxruntime only): "plugin" runs tree attention through glance-rt's compiled kernel
+    library, built against the ONNX Runtime C API headers in `ort_include`."""
     import glance_rt
 
     impl = _backend(backend)
+    if flavor not in ("portable", "plugin") or (flavor == "plugin" and backend != "onnxruntime"):
+        raise GlanceError(f"flavor {flavor!r} with backend {backend!r}: the 'plugin' flavor is for onnxruntime "
+                          "engines; others take 'portable'")
     budgets = tuple(sorted(set(budgets))) if drafter is not None else (0,)
     out = Path(out)
-    config = {"backend": backend, "budgets": list(budgets), "chain": chain, "max_len": max_len, "chunk": chunk}
+    config = {"backend": backend, "budgets": list(budgets), "chain": chain, "max_len": max_len, "chunk": chunk,
+              "flavor": flavor}
     if (out / "manifest.json").exists():
         raise GlanceError(f"{out} already holds an engine: pick another --out, or delete it to rebuild")
     dec = glance_rt.Decoder(target, drafter, tree_budget=max(budgets) or 1, chain=chain, max_length=max_len,
@@ -52,10 +71,13 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(32,), cha
                               "delete it or pick another --out")
     out.mkdir(parents=True, exist_ok=True)
     if not started.exists():
-        keep = ("backend", "budgets", "chain", "max_len", "chunk", "source", "versions")
+        keep = ("backend", "budgets", "chain", "max_len", "chunk", "flavor", "source", "versions")
         (out / "build.json.tmp").write_text(json.dumps({k: manifest[k] for k in keep}, indent=2))
         (out / "build.json.tmp").replace(started)
-    impl.build(dec, out, budgets, chain, chunk, manifest, progress)
+    if backend == "onnxruntime":
+        impl.build(dec, out, budgets, chain, chunk, manifest, progress, flavor=flavor, ort_include=ort_include)
+    else:
+        impl.build(dec, out, budgets, chain, chunk, manifest, progress)
     write_manifest(out, manifest)
     return out
 

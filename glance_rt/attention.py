@@ -26,19 +26,22 @@ def tree_attention_reference(
     q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len: Tensor, scale: float
 ) -> Tensor:
     """q [1, H, T, D]; k, v [1, KVH, L, D]; tree_mask [T, T] bool; prefix_len [] int64 -> [1, H, T, D]."""
-    groups = q.shape[1] // k.shape[1]
+    kv_heads, d = k.shape[1], q.shape[3]
+    groups = q.shape[1] // kv_heads
     t, kv_len = q.shape[2], k.shape[2]
     if t == 1 and q.device.type == "cpu" and kv_len == int(prefix_len) + 1 and bool(tree_mask[0, 0]):
-        # one query row that sees every cached row (eager autoregression): no mask, and GQA by folding
-        # the query heads of each KV head into its rows (as HF's sdpa path does for one query). The
-        # check reads prefix_len on the host, so it is CPU-only (no sync inside a CUDA graph).
-        qg = q.reshape(1, k.shape[1], groups, q.shape[3])  # [1, KVH, G, D]
+        # one query row that sees every cached row (eager autoregression): no mask at all. The check
+        # reads prefix_len on the host, so it is CPU-only (no sync inside a CUDA graph).
+        qg = q.reshape(1, kv_heads, groups, d)  # [1, KVH, G, D]
         return F.scaled_dot_product_attention(qg, k, v, scale=scale).reshape(q.shape)
-    if groups > 1:  # [1, KVH, L, D] -> [1, H, L, D], as the HF sdpa path does with a mask
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
+    # GQA by folding each KV head's G query heads into its rows, so K and V are read as they lie in
+    # the cache (no [1, H, L, D] copies); every folded row carries its query's mask row.
+    qg = q.reshape(1, kv_heads, groups * t, d)  # [1, KVH, G*T, D]
     mask = visibility(tree_mask, prefix_len, kv_len)  # [T, L]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=scale)
+    if groups > 1:
+        mask = mask.repeat(groups, 1)  # [G*T, L]
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[None, None], scale=scale)
+    return out.reshape(q.shape)  # [1, H, T, D]
 
 
 @torch.library.custom_op("glance::tree_attention", mutates_args=())

@@ -266,11 +266,17 @@ def _engine_decoder(engine_dir, target_path, drafter_path):
               help="Static cache rows (prompt + new tokens + one round); attention reads all of them.")
 @click.option("--chunk", default=64, show_default=True, type=int, help="Prompt rows per prefill pass.")
 @click.option("--no-drafter", is_flag=True, help="Build autoregression only.")
+@click.option("--flavor", default="portable", show_default=True, type=click.Choice(["portable", "plugin"]),
+              help="onnxruntime: portable runs tree attention as standard ONNX ops; plugin as one "
+                   "glance.TreeAttention node through glance-rt's compiled kernel library (needs --ort-include).")
+@click.option("--ort-include", type=click.Path(), default=None,
+              help="Folder with ONNX Runtime's C API header onnxruntime_c_api.h (plugin flavor; default: "
+                   "/usr/local/include/onnxruntime, /usr/include/onnxruntime, ...).")
 @DTYPE
 @DEVICE
 @click.option("--out", required=True, type=click.Path(), help="Engine folder (resumes an interrupted build).")
-def build_engine(target_path, drafter_path, backend, budgets, chain, max_length, chunk, no_drafter, dtype, device,
-                 out):
+def build_engine(target_path, drafter_path, backend, budgets, chain, max_length, chunk, no_drafter, flavor,
+                 ort_include, dtype, device, out):
     """Compile the draft, verify and prefill passes of a target (+ drafter) into an engine folder."""
     from glance_rt.engines.engine import build_engine as build
 
@@ -280,7 +286,7 @@ def build_engine(target_path, drafter_path, backend, budgets, chain, max_length,
             drafter = None
         start = time.perf_counter()
         build(target, drafter, out, backend=backend, budgets=budgets, chain=chain, max_len=max_length, chunk=chunk,
-              target_source=target_path, drafter_source=drafter_path)
+              target_source=target_path, drafter_source=drafter_path, flavor=flavor, ort_include=ort_include)
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"engine: {out} ({backend}, {time.perf_counter() - start:.0f} s)")

@@ -1,0 +1,122 @@
+"""glance-rt's ONNX Runtime kernel for glance.TreeAttention (engines/tree_attention_ort.cc): the
+op alone == the torch op on random trees, GQA and static cache tails; a plugin-flavor engine runs
+tokens == HF greedy; missing headers or library are reported with how to get them.
+
+The kernel builds against ONNX Runtime's C API header, which no package registry reachable here
+serves: without it these tests skip and say so (the README says where to get it)."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+from glance_rt.engines import ort_plugin
+from glance_rt.engines.engine import build_engine
+
+import glance_rt
+from glance_rt.attention import tree_attention
+from glance_rt.cli import main
+from tests.conftest import hf_greedy, tiny_target
+from tests.test_attention import random_tree_mask
+from tests.test_cli import model_folder
+from tests.tiny_models import make_inputs
+
+ort = pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    try:
+        ort_plugin.find_header()
+    except glance_rt.GlanceError as e:
+        pytest.skip(str(e))
+    return ort_plugin.build_library(tmp_path_factory.mktemp("plugin"))
+
+
+def one_node_model(scale: float) -> onnx.ModelProto:
+    from onnx import TensorProto, helper
+
+    f, b, i = TensorProto.FLOAT, TensorProto.BOOL, TensorProto.INT64
+    node = helper.make_node("TreeAttention", ["q", "k", "v", "tree_mask", "prefix_len"], ["out"],
+                            domain="glance", scale=scale)
+    graph = helper.make_graph([node], "tree_attention", [
+        helper.make_tensor_value_info("q", f, None), helper.make_tensor_value_info("k", f, None),
+        helper.make_tensor_value_info("v", f, None), helper.make_tensor_value_info("tree_mask", b, None),
+        helper.make_tensor_value_info("prefix_len", i, [])], [helper.make_tensor_value_info("out", f, None)])
+    opsets = [helper.make_opsetid("", 20), helper.make_opsetid("glance", 1)]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+@pytest.mark.parametrize("heads,kv_heads,t,prefix,tail", [(4, 4, 1, 9, 0), (9, 3, 17, 40, 23), (6, 2, 5, 0, 7),
+                                                          (8, 1, 9, 12, 0), (4, 2, 33, 100, 15)])
+def test_kernel_matches_the_torch_op(library, heads, kv_heads, t, prefix, tail):
+    gen = torch.Generator().manual_seed(heads + t + prefix)
+    d, kv_len, scale = 16, prefix + t + tail, 0.25
+    q = torch.randn(1, heads, t, d, generator=gen)
+    k = torch.randn(1, kv_heads, kv_len, d, generator=gen)
+    v = torch.randn(1, kv_heads, kv_len, d, generator=gen)
+    k[:, :, prefix + t :] = 1e4  # the static tail must be invisible, whatever it holds
+    mask = random_tree_mask(t, gen)
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(library))
+    sess = ort.InferenceSession(one_node_model(scale).SerializeToString(), so, providers=["CPUExecutionProvider"])
+    (got,) = sess.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "tree_mask": mask.numpy(),
+                             "prefix_len": np.array(prefix, dtype=np.int64)})
+    want = tree_attention(q, k, v, mask, torch.tensor(prefix), scale)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_reports_bad_input(library):
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(library))
+    sess = ort.InferenceSession(one_node_model(1.0).SerializeToString(), so, providers=["CPUExecutionProvider"])
+    q, k = np.zeros((1, 4, 3, 8), np.float32), np.zeros((1, 2, 5, 8), np.float32)
+    feed = {"q": q, "k": k, "v": k, "tree_mask": np.ones((3, 3), bool), "prefix_len": np.array(4, np.int64)}
+    with pytest.raises(Exception, match="prefix_len \\+ T must fit"):
+        sess.run(None, feed)
+    feed.update(prefix_len=np.array(2, np.int64), q=np.zeros((1, 3, 3, 8), np.float32))
+    with pytest.raises(Exception, match="multiple of KV heads"):
+        sess.run(None, feed)
+
+
+def test_plugin_engine_is_lossless(library, tmp_path):
+    target, model, tok = tiny_target("qwen3")
+    drafter = glance_rt.init_drafter(target, num_layers=2, block_size=4, seed=1)
+    build_engine(target, drafter, tmp_path / "e", backend="onnxruntime", budgets=(6,), max_len=128, chunk=8,
+                 progress=False, flavor="plugin", ort_include=ort_plugin.find_header())
+    m = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    assert m["flavor"] == "plugin" and m["plugin_library"]["source_sha256"] == ort_plugin.source_hash()
+    graph = onnx.load(str(tmp_path / "e" / m["graphs"]["verify-7"]["file"]), load_external_data=False)
+    assert not graph.functions  # ONNX Runtime ran the glance nodes through the library, not a function body
+    assert sum(n.domain == "glance" for n in graph.graph.node) == target.text_config.num_hidden_layers
+    dec = glance_rt.Decoder.from_engine(tmp_path / "e", target, drafter)
+    for prompt in ("Hello there.", "A longer prompt, so that the prefill takes several chunks of eight rows."):
+        inputs = make_inputs("qwen3", tok, prompt=prompt)
+        assert dec.generate(max_new_tokens=16, **inputs).token_ids == hf_greedy(model, inputs, 16)
+
+
+def test_cli_builds_a_plugin_engine(library, tmp_path_factory, tmp_path):
+    path = model_folder("llama", str(tmp_path_factory.mktemp("models")))
+    result = CliRunner().invoke(main, ["build-engine", "--backend", "onnxruntime", "--flavor", "plugin",
+                                       "--ort-include", str(ort_plugin.find_header()), "--target", path,
+                                       "--no-drafter", "--max-length", "64", "--chunk", "16", "--out",
+                                       str(tmp_path / "e")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "e" / ort_plugin.LIBRARY).is_file()
+    target = glance_rt.load_target(path)
+    inputs = target.encode_chat("Hello there.")
+    dec = glance_rt.Decoder.from_engine(tmp_path / "e", target)
+    assert dec.generate(max_new_tokens=8, **inputs).token_ids == hf_greedy(target.hf_model, inputs, 8)
+
+
+def test_missing_headers_and_library_say_what_to_do(tmp_path):
+    with pytest.raises(glance_rt.GlanceError, match="onnxruntime_c_api.h.*--ort-include"):
+        ort_plugin.build_library(tmp_path / "lib", include_dir=tmp_path)
+    assert not (tmp_path / "lib" / ort_plugin.LIBRARY).exists()
+    with pytest.raises(glance_rt.GlanceError, match="not in that folder.*--flavor plugin --ort-include"):
+        ort_plugin.library_for(tmp_path)
+    target, _, _ = tiny_target("llama")
+    with pytest.raises(glance_rt.GlanceError, match="plugin' flavor is for onnxruntime"):
+        build_engine(target, None, tmp_path / "a", backend="aoti", flavor="plugin", progress=False)
