@@ -1,15 +1,15 @@
 """ONNX Runtime engines: the exported graphs (`glance-rt export`) run through ONNX Runtime sessions.
 
-Each graph takes the caches it reads as inputs (bound zero-copy to the running model's cache
-buffers) and returns only the rows it wrote, which are written back into those buffers, so a
+Each graph takes the caches it reads as inputs (bound through IOBinding to the running model's
+cache buffers) and returns only the rows it wrote, which are written back into those buffers, so a
 cache is never copied across the graph boundary. The `portable` flavor runs anywhere (tree
 attention is a model-local ONNX function); the `plugin` flavor runs every `glance.TreeAttention`
 node through glance-rt's compiled kernel library (`ort_plugin`), which the folder carries.
 """
 
+import math
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from glance_rt.errors import GlanceError
@@ -42,30 +42,67 @@ def _session(path: Path, info: dict, flavor: str):
     return ort.InferenceSession(str(path / info["file"]), so, providers=["CPUExecutionProvider"])
 
 
+DTYPES = {"float": torch.float32, "float32": torch.float32, "float16": torch.float16, "int64": torch.int64,
+          "bool": torch.bool}
+
+
+def _bind(binding, name: str, t: torch.Tensor, output: bool = False) -> None:
+    """Bind a CPU tensor's own memory to a graph input or output (no copy)."""
+    ptr = t.data_ptr() or t.untyped_storage().data_ptr()  # an empty tensor reports a null data_ptr
+    args = (name, "cpu", 0, t.numpy().dtype, list(t.shape), ptr)
+    binding.bind_output(*args) if output else binding.bind_input(*args)
+
+
+def _empty(shape, dtype) -> torch.Tensor:
+    """A tensor of `shape` whose memory has an address even when it holds no element (IOBinding
+    refuses a null pointer: a target without a drafter has [T, 0] features)."""
+    n = math.prod(shape)
+    return torch.empty(max(n, 1), dtype=dtype)[:n].view(shape)
+
+
+class BoundGraph:
+    """One graph's session with its I/O bound once through IOBinding: the caches it reads are the
+    model's cache buffers, its outputs are preallocated tensors; per call only the small inputs are
+    rebound. The rows it wrote come back as outputs and are copied into the caches.
+
+    Outputs are reused by the next call of the same graph (as with a CUDA-graph replay)."""
+
+    def __init__(self, sess, info: dict, name: str, graphs, bufs: list):
+        from glance_rt.export.onnx import written_rows
+
+        self.sess, self.name, self.graphs, self.bufs = sess, name, graphs, bufs
+        self.written_rows = written_rows
+        self.in_names = [i[0] for i in info["inputs"][: len(info["inputs"]) - len(bufs)]]
+        self.binding = sess.io_binding()
+        for (n, _, _), b in zip(info["inputs"][len(self.in_names) :], bufs, strict=True):
+            _bind(self.binding, n, b)
+        self.outs = [_empty(shape, DTYPES[dt]) for _, shape, dt in info["outputs"]]  # [*shape]
+        for (n, _, _), t in zip(info["outputs"], self.outs, strict=True):
+            _bind(self.binding, n, t, output=True)
+        self.n_out = len(self.outs) - len(bufs)
+
+    def __call__(self, *args):
+        args = [a.detach().contiguous() for a in args]  # alive (and bound) until the run returns
+        for n, a in zip(self.in_names, args, strict=True):
+            _bind(self.binding, n, a)
+        self.sess.run_with_iobinding(self.binding)
+        rows = self.written_rows(self.graphs, self.name, args)
+        for b, new in zip(self.bufs, self.outs[self.n_out :], strict=True):
+            b.index_copy_(2, rows, new)
+        res = tuple(self.outs[: self.n_out])
+        return res if len(res) > 1 else res[0]
+
+
 def runners(path: Path, manifest: dict, graphs) -> dict:
     """The callables StaticPasses runs, one ONNX Runtime session per graph."""
     from glance_rt.engines.engine import verify_by_rows
-    from glance_rt.export.onnx import graph_caches, written_rows
+    from glance_rt.export.onnx import graph_caches
 
     fns, verify = {}, {}
     for key, info in manifest["graphs"].items():
         name = key.split("-")[0]
-        sess = _session(path, info, manifest["flavor"])
         bufs = [b for cache in graph_caches(graphs, name) for b in cache.buffers()]
-        in_names = [i[0] for i in info["inputs"]]
-        n_args = len(in_names) - len(bufs)
-
-        def run(*args, sess=sess, name=name, bufs=bufs, in_names=in_names, n_args=n_args):
-            feeds = {n: a.detach().numpy() for n, a in zip(in_names[:n_args], args, strict=True)}
-            feeds.update({n: b.numpy() for n, b in zip(in_names[n_args:], bufs, strict=True)})  # zero-copy views
-            outs = sess.run(None, feeds)
-            rows = written_rows(graphs, name, args)
-            n_out = len(outs) - len(bufs)
-            for b, new in zip(bufs, outs[n_out:], strict=True):
-                b.index_copy_(2, rows, torch.from_numpy(np.ascontiguousarray(new)))
-            res = tuple(torch.from_numpy(o) for o in outs[:n_out])
-            return res if len(res) > 1 else res[0]
-
+        run = BoundGraph(_session(path, info, manifest["flavor"]), info, name, graphs, bufs)
         if name == "verify":
             verify[int(key.split("-")[1])] = run
         else:

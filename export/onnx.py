@@ -203,7 +203,8 @@ def export_onnx(decoder, out, budgets, chain: bool, chunk: int, flavor: str = "p
         model = onnx.load(str(file), load_external_data=False)
         shapes = [[list(a.shape), str(a.dtype).removeprefix("torch.")] for a in (*args, *kv)]
         info[key] = {"file": file.name, "inputs": [[n, *s] for n, s in zip(ins, shapes, strict=True)],
-                     "outputs": [[o.name, [d.dim_value or d.dim_param for d in o.type.tensor_type.shape.dim],
+                     "outputs": [[o.name, [d.dim_value if d.HasField("dim_value") else d.dim_param
+                                            for d in o.type.tensor_type.shape.dim],
                                   onnx.TensorProto.DataType.Name(o.type.tensor_type.elem_type).lower()]
                                  for o in model.graph.output],
                      "tree_attention_nodes": sum(n.op_type == "TreeAttention" and n.domain == DOMAIN
