@@ -38,21 +38,26 @@ def verify_by_rows(verify: dict):
 
 def build_engine(target, drafter, out, backend: str = "aoti", budgets=(32,), chain: bool = False,
                  max_len: int = 1024, chunk: int = 64, target_source=None, drafter_source=None,
-                 progress: bool = True, flavor: str = "portable", ort_include=None) -> Path:
+                 progress: bool = True, flavor: str = "portable", ort_include=None, image_sizes=()) -> Path:
     """Build the static graphs of `target` (+ `drafter`) for `backend` into the folder `out`.
     An interrupted build resumes from its finished graphs; the manifest is written last.
     `flavor` (onnxruntime only): "plugin" runs tree attention through glance-rt's compiled kernel
-    library, built against the ONNX Runtime C API headers in `ort_include`."""
+    library, built against the ONNX Runtime C API headers in `ort_include`. `image_sizes` (onnxruntime,
+    VLM targets): (W, H) image buckets to build vision graphs for."""
     import glance_rt
 
     impl = _backend(backend)
     if flavor not in ("portable", "plugin") or (flavor == "plugin" and backend != "onnxruntime"):
         raise GlanceError(f"flavor {flavor!r} with backend {backend!r}: the 'plugin' flavor is for onnxruntime "
                           "engines; others take 'portable'")
+    image_sizes = [list(s) for s in image_sizes]
+    if image_sizes and backend != "onnxruntime":
+        raise GlanceError("vision graphs (--image-size) are built for onnxruntime engines; an aoti engine runs the "
+                          "vision tower in torch at prefill")
     budgets = tuple(sorted(set(budgets))) if drafter is not None else (0,)
     out = Path(out)
     config = {"backend": backend, "budgets": list(budgets), "chain": chain, "max_len": max_len, "chunk": chunk,
-              "flavor": flavor}
+              "flavor": flavor, "image_sizes": image_sizes}
     if (out / "manifest.json").exists():
         raise GlanceError(f"{out} already holds an engine: pick another --out, or delete it to rebuild")
     dec = glance_rt.Decoder(target, drafter, tree_budget=max(budgets) or 1, chain=chain, max_length=max_len,
@@ -71,11 +76,12 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(32,), cha
                               "delete it or pick another --out")
     out.mkdir(parents=True, exist_ok=True)
     if not started.exists():
-        keep = ("backend", "budgets", "chain", "max_len", "chunk", "flavor", "source", "versions")
+        keep = ("backend", "budgets", "chain", "max_len", "chunk", "flavor", "image_sizes", "source", "versions")
         (out / "build.json.tmp").write_text(json.dumps({k: manifest[k] for k in keep}, indent=2))
         (out / "build.json.tmp").replace(started)
     if backend == "onnxruntime":
-        impl.build(dec, out, budgets, chain, chunk, manifest, progress, flavor=flavor, ort_include=ort_include)
+        impl.build(dec, out, budgets, chain, chunk, manifest, progress, flavor=flavor, ort_include=ort_include,
+                   image_sizes=image_sizes)
     else:
         impl.build(dec, out, budgets, chain, chunk, manifest, progress)
     write_manifest(out, manifest)
@@ -110,6 +116,8 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None):
                           "with `glance-rt build-engine --tree-budget ...`")
     dec = cls(target, drafter, tree_budget=tree_budget, chain=m["chain"], max_length=m["max_len"], chunk=m["chunk"])
     dec.passes = dec.static_passes(lambda graphs: impl.runners(path, m, graphs), m["chunk"])
+    if m.get("vision"):  # ONNX vision graphs, one per image bucket, replace the torch vision tower at prefill
+        dec.prefill_inputs = impl.vision(path, m, target)
     dec.backend = m["backend"]
     return dec
 

@@ -39,12 +39,11 @@ def versions() -> dict:
 
 
 def source(target, drafter) -> dict:
-    """Fingerprint of what an engine computes with: the target's text decoder and the drafter."""
-    parts = target.parts
-    text = torch.nn.ModuleDict({"model": parts.text_model, "lm_head": parts.lm_head})
+    """Fingerprint of what an engine computes with: the target's weights (vision tower included, for
+    an engine's vision graphs) and the drafter's."""
     return {
         "target": target.name,
-        "target_weights": weights_hash(text),
+        "target_weights": weights_hash(target.hf_model),
         "drafter_weights": weights_hash(drafter) if drafter is not None else None,
         "dtype": str(target.dtype).removeprefix("torch."),
         "device": target.device.type,

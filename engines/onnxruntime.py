@@ -112,10 +112,36 @@ def runners(path: Path, manifest: dict, graphs) -> dict:
     return fns
 
 
+def vision(path: Path, manifest: dict, target):
+    """The engine's vision graphs (one per image bucket) as a `prefill_inputs` for the Decoder, or None."""
+    if not manifest.get("vision"):
+        return None
+    from glance_rt.export.vision import VisionGraphs
+
+    return VisionGraphs(target, path, manifest, lambda p, info: _session(p, info, "portable")).prefill_inputs
+
+
+def _optimize(out: Path, key: str, info: dict, flavor: str) -> None:
+    """Save graph `key` as ONNX Runtime's optimized graph (once) and point `info` at it."""
+    import onnxruntime as ort
+
+    opt = out / f"{key}.opt.onnx"
+    if not opt.exists():
+        so = session_options(out, flavor)
+        tmp = out / f"{key}.opt.tmp.onnx"
+        so.optimized_model_filepath = str(tmp)
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"{key}.opt.onnx.data")
+        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        ort.InferenceSession(str(out / info["file"]), so, providers=["CPUExecutionProvider"])
+        tmp.replace(opt)
+    info["exported"], info["file"] = info["file"], opt.name
+
+
 def build(decoder, out: Path, budgets, chain: bool, chunk: int, manifest: dict, progress: bool = True,
-          flavor: str = "portable", ort_include=None) -> None:
-    """Export the graphs, then save each as ONNX Runtime's optimized graph. The plugin flavor first
-    compiles the TreeAttention kernel library into the folder (`ort_include`: its C API headers)."""
+          flavor: str = "portable", ort_include=None, image_sizes=()) -> None:
+    """Export the graphs (and a VLM's vision graphs, one per image size), then save each as ONNX
+    Runtime's optimized graph. The plugin flavor first compiles the TreeAttention kernel library
+    into the folder (`ort_include`: its C API headers)."""
     from importlib import metadata
 
     from glance_rt.export.onnx import export_onnx
@@ -128,19 +154,13 @@ def build(decoder, out: Path, budgets, chain: bool, chunk: int, manifest: dict, 
     opset = manifest.setdefault("opset", 20)
     graphs = export_onnx(decoder, out, budgets, chain, chunk, flavor, opset, progress)
     for key, info in graphs.items():
-        opt = out / f"{key}.opt.onnx"
-        if not opt.exists():
-            so = session_options(out, flavor)
-            tmp = out / f"{key}.opt.tmp.onnx"
-            so.optimized_model_filepath = str(tmp)
-            so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
-                                        f"{key}.opt.onnx.data")
-            so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-            import onnxruntime as ort
+        _optimize(out, key, info, flavor)
+    if image_sizes:
+        from glance_rt.export.vision import export_vision
 
-            ort.InferenceSession(str(out / info["file"]), so, providers=["CPUExecutionProvider"])
-            tmp.replace(opt)
-        info["exported"], info["file"] = info["file"], opt.name
+        manifest["vision"] = export_vision(decoder.target, out, image_sizes, opset, progress)
+        for key, info in manifest["vision"].items():
+            _optimize(out, key, info, "portable")
     libs = {"onnxruntime": metadata.version("onnxruntime"), "onnx": metadata.version("onnx")}
     manifest.update(flavor=flavor, graphs=graphs, versions={**manifest["versions"], **libs},
                     session_options={"graph_optimization_level": "ORT_ENABLE_ALL",

@@ -217,8 +217,9 @@ def export_onnx(decoder, out, budgets, chain: bool, chunk: int, flavor: str = "p
 
 def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20, budgets=(32,), chain: bool = False,
                  max_len: int = 1024, chunk: int = 64, target_source=None, drafter_source=None,
-                 progress: bool = True) -> Path:
-    """`glance-rt export`: ONNX graphs of `target` (+ `drafter`) and their manifest, in `out`."""
+                 progress: bool = True, image_sizes=()) -> Path:
+    """`glance-rt export`: ONNX graphs of `target` (+ `drafter`) and their manifest, in `out`;
+    `image_sizes`: (W, H) image buckets to export a VLM's vision graphs for."""
     from glance_rt.engines.manifest import FORMAT, source, versions, write_manifest
 
     import glance_rt
@@ -232,6 +233,11 @@ def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20
     dec = glance_rt.Decoder(target, drafter, tree_budget=max(budgets) or 1, chain=chain, max_length=max_len,
                             chunk=chunk)
     graphs = export_onnx(dec, out, budgets, chain, chunk, flavor, opset, progress)
+    vision = {}
+    if image_sizes:
+        from glance_rt.export.vision import export_vision
+
+        vision = export_vision(target, out, image_sizes, opset, progress)
     from importlib import metadata
 
     import onnx
@@ -243,6 +249,7 @@ def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20
                 "source": source(target, drafter), "versions": {**versions(), "onnx": onnx.__version__,
                                                                  "onnxscript": metadata.version("onnxscript")},
                 "target_source": None if target_source is None else str(target_source),
-                "drafter_source": None if drafter_source is None else str(drafter_source), "graphs": graphs}
+                "drafter_source": None if drafter_source is None else str(drafter_source), "graphs": graphs,
+                "vision": vision}
     write_manifest(out, manifest)
     return out

@@ -291,6 +291,35 @@ def capture_prefill(hf_model: nn.Module, parts: TextParts, inputs: Mapping) -> P
     return PrefillInputs(embeds, positions, rope_delta)
 
 
+def merge_image_features(hf_model: nn.Module, parts: TextParts, inputs: Mapping,
+                         features: torch.Tensor) -> PrefillInputs:
+    """`capture_prefill` with the image features computed elsewhere (an engine's vision graph):
+    features [N, H] replace the N image placeholder rows of the prompt's token embeddings, in order,
+    as every supported VLM merges them; M-RoPE positions come from HF's own rope index (no vision
+    compute). tests/test_vision.py holds this equal to capture_prefill on every VLM."""
+    ids = _input_ids(inputs)
+    P = ids.shape[1]
+    _check_images(hf_model, parts, ids, inputs)
+    weight = parts.text_model.embed_tokens.weight
+    ids = ids.to(weight.device)
+    is_img = ids[0] == parts.image_token_id  # [P]
+    if int(is_img.sum()) != features.shape[0]:
+        raise GlanceError(f"the prompt has {int(is_img.sum())} image placeholder tokens but the vision graph gave "
+                          f"{features.shape[0]} feature rows: {_HOW_TO_FIX}")
+    with torch.no_grad():
+        embeds = parts.text_model.embed_tokens(ids)[0].clone()  # [P, H]
+    embeds[is_img] = features.to(embeds.dtype)
+    if not parts.mrope:
+        return PrefillInputs(embeds, torch.arange(P, device=weight.device), 0)
+    kw = {k: inputs[k].to(weight.device) for k in ("mm_token_type_ids", "image_grid_thw", "attention_mask")
+          if inputs.get(k) is not None}
+    pos, _ = hf_model.model.get_rope_index(ids, **kw)  # [3, 1, P]
+    positions = _mrope_positions(pos, P).to(device=weight.device, dtype=torch.long).contiguous()  # [3, P]
+    if not bool((positions[:, -1] == positions.max()).all()):
+        raise GlanceError("the prompt ends inside an image: end it with text (e.g. the chat template's assistant turn)")
+    return PrefillInputs(embeds, positions, int(positions.max()) + 1 - P)
+
+
 def extend_inputs(inputs: Mapping, tokens: list[int]) -> dict:
     """Processor outputs for the prompt followed by `tokens` (per-token extras such as
     `mm_token_type_ids` extended as text), for one full-sequence HF forward."""

@@ -16,6 +16,20 @@ DTYPE = click.option("--dtype", default="float32", show_default=True,
 DEVICE = click.option("--device", default="cpu", show_default=True)
 SUITE = click.option("--suite", default="all", show_default=True,
                      help="'all', a task kind (held-out prompts of the shipped corpus), or a JSONL file.")
+def _image_size(ctx, param, values):
+    sizes = []
+    for v in values:
+        try:
+            w, h = (int(x) for x in v.lower().split("x"))
+        except ValueError:
+            raise click.BadParameter(f"{v!r}: give an image size as WxH pixels, e.g. 448x448") from None
+        sizes.append((w, h))
+    return tuple(sizes)
+
+
+IMAGE_SIZES = click.option("--image-size", "image_sizes", multiple=True, callback=_image_size,
+                           help="VLM targets: export a vision graph for images of WxH pixels (repeatable; one "
+                                "static image bucket each). Without it the vision tower runs in torch.")
 SUITE_IMAGES = click.option("--images", type=click.Path(), default=None,
                             help="Folder the suite's image paths are relative to.")
 
@@ -269,6 +283,7 @@ def _engine_decoder(engine_dir, target_path, drafter_path):
 @click.option("--flavor", default="portable", show_default=True, type=click.Choice(["portable", "plugin"]),
               help="onnxruntime: portable runs tree attention as standard ONNX ops; plugin as one "
                    "glance.TreeAttention node through glance-rt's compiled kernel library (needs --ort-include).")
+@IMAGE_SIZES
 @click.option("--ort-include", type=click.Path(), default=None,
               help="Folder with ONNX Runtime's C API header onnxruntime_c_api.h (plugin flavor; default: "
                    "/usr/local/include/onnxruntime, /usr/include/onnxruntime, ...).")
@@ -276,7 +291,7 @@ def _engine_decoder(engine_dir, target_path, drafter_path):
 @DEVICE
 @click.option("--out", required=True, type=click.Path(), help="Engine folder (resumes an interrupted build).")
 def build_engine(target_path, drafter_path, backend, budgets, chain, max_length, chunk, no_drafter, flavor,
-                 ort_include, dtype, device, out):
+                 image_sizes, ort_include, dtype, device, out):
     """Compile the draft, verify and prefill passes of a target (+ drafter) into an engine folder."""
     from glance_rt.engines.engine import build_engine as build
 
@@ -286,7 +301,8 @@ def build_engine(target_path, drafter_path, backend, budgets, chain, max_length,
             drafter = None
         start = time.perf_counter()
         build(target, drafter, out, backend=backend, budgets=budgets, chain=chain, max_len=max_length, chunk=chunk,
-              target_source=target_path, drafter_source=drafter_path, flavor=flavor, ort_include=ort_include)
+              target_source=target_path, drafter_source=drafter_path, flavor=flavor, ort_include=ort_include,
+              image_sizes=image_sizes)
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"engine: {out} ({backend}, {time.perf_counter() - start:.0f} s)")
@@ -306,8 +322,10 @@ def build_engine(target_path, drafter_path, backend, budgets, chain, max_length,
               help="portable: tree attention also as a model-local ONNX function (runs anywhere); "
                    "plugin: the glance.TreeAttention node alone, for a runtime with its kernel (TensorRT plugin).")
 @click.option("--no-drafter", is_flag=True, help="Export the target's graphs only.")
+@IMAGE_SIZES
 @DTYPE
-def export(target_path, drafter_path, out, budgets, chain, max_length, chunk, opset, flavor, no_drafter, dtype):
+def export(target_path, drafter_path, out, budgets, chain, max_length, chunk, opset, flavor, no_drafter, image_sizes,
+           dtype):
     """Export the target's prefill and tree-verify graphs and the drafter's graphs to ONNX."""
     from glance_rt.export.onnx import export_model
 
@@ -317,7 +335,8 @@ def export(target_path, drafter_path, out, budgets, chain, max_length, chunk, op
             drafter = None
         start = time.perf_counter()
         export_model(target, drafter, out, flavor=flavor, opset=opset, budgets=budgets, chain=chain,
-                     max_len=max_length, chunk=chunk, target_source=target_path, drafter_source=drafter_path)
+                     max_len=max_length, chunk=chunk, target_source=target_path, drafter_source=drafter_path,
+                     image_sizes=image_sizes)
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"onnx: {out} ({flavor}, opset {opset}, {time.perf_counter() - start:.0f} s); graphs in {out}/GRAPHS.md")

@@ -98,6 +98,7 @@ class Decoder:
         if chunk < 1:
             raise GlanceError(f"chunk must be at least 1, got {chunk}")
         self.target, self.chain, self.max_length = target, chain, max_length
+        self.prefill_inputs = target.prefill_inputs  # inputs -> PrefillInputs (an engine may bring vision graphs)
         if isinstance(drafter, GlanceDrafter):
             check_compatible(drafter.config, target)
             drafter = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, max_length)
@@ -158,7 +159,7 @@ class Decoder:
         if max_new_tokens < 1:
             raise GlanceError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         clock = _Clock(stats.timings)
-        pre = self.target.prefill_inputs(inputs)  # embeds [P, H], positions [P] or [3, P]
+        pre = self.prefill_inputs(inputs)  # embeds [P, H], positions [P] or [3, P]
         p = pre.embeds.shape[0]
         stats.prompt_tokens = p
         need = max(p + max_new_tokens + self._scratch_rows(), self.passes.rows_needed(p))
