@@ -70,10 +70,11 @@ class Decoder:
     width-1 tree (the top-1 draft at every depth, DFlash-style). `max_length` sizes the static
     caches: prompt + max_new_tokens + one round's scratch must fit.
 
-    `backend="eager"` runs the passes at exact lengths (the reference); `"compile"` runs fixed-shape
-    passes (`glance_rt.passes.StaticGraphs`) under `torch.compile(fullgraph=True)`, with CUDA graphs
-    on a GPU. Static passes attend over all `max_length` cache rows, so size it to the job. `chunk`
-    is their prompt chunk (rows per prefill pass). `Decoder.from_engine(DIR)` runs a built engine.
+    `backend="eager"` runs the passes at exact lengths (the reference); `"compile"` runs the round's
+    fixed-shape passes (`glance_rt.passes.StaticGraphs`: verify, draft, drafter context) under
+    `torch.compile(fullgraph=True)`, with CUDA graphs on a GPU, and the prompt's prefill eagerly.
+    Static passes attend over all `max_length` cache rows, so size it to the job. `chunk` is their
+    prompt chunk (rows per prefill / drafter-context pass). `Decoder.from_engine(DIR)` runs a built engine.
     """
 
     def __init__(self, target, drafter=None, tree_budget=32, chain: bool = False, max_length: int = 2048,
