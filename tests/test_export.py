@@ -36,7 +36,7 @@ def test_onnxruntime_runs_the_export_losslessly(arch, tmp_path):
     assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(model, inputs, NEW)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_every_graph_matches_its_torch_graph(arch, tmp_path):
     import onnxruntime as ort
 

@@ -80,3 +80,16 @@ def test_shipped_drafter_compiled_and_aoti_engine_match_hf(cases, tmp_path):
     for inputs, ref in items:
         assert compiled.generate(max_new_tokens=NEW, **inputs).token_ids == ref
         assert engine.generate(max_new_tokens=NEW, **inputs).token_ids == ref
+
+
+def test_shipped_drafter_onnxruntime_engine_matches_hf(cases, tmp_path):
+    """`glance-rt export` of the default target + shipped drafter, run through ONNX Runtime."""
+    pytest.importorskip("onnxruntime")
+    from glance_rt.export.onnx import export_model
+
+    target, items = cases
+    drafter = glance_rt.load_drafter(None, target)
+    export_model(target, drafter, tmp_path / "onnx", budgets=(16,), max_len=256, progress=False)
+    engine = glance_rt.Decoder.from_engine(tmp_path / "onnx", target, drafter)
+    for inputs, ref in items:
+        assert engine.generate(max_new_tokens=NEW, **inputs).token_ids == ref
