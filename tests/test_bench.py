@@ -117,16 +117,24 @@ def test_compiled_and_engine_methods_are_compared_with_their_eager_method(tmp_pa
 
     target, _, _ = tiny_target("llama")
     drafter = glance_rt.init_drafter(target, block_size=4, seed=1)
-    cfg = BenchConfig(methods=("tree-4", "tree-4@compile", "adaptive@compile", "hf"), max_new_tokens=10, warmup=1)
+    from glance_rt.export.onnx import export_model
+
+    cfg = BenchConfig(methods=("ar", "tree-4", "tree-4@compile", "adaptive@compile", "hf"), max_new_tokens=10,
+                      warmup=1)
     encoded = [target.encode_chat(r["prompt"]) for r in ROWS]
     assert suite_max_length(encoded, cfg) % 64 == 0
     build_engine(target, drafter, tmp_path / "e", budgets=(4,), max_len=suite_max_length(encoded, cfg), chunk=16,
                  progress=False)
-    cfg = BenchConfig(**{**cfg.__dict__, "engines": (str(tmp_path / "e"),)})
-    rep = run_bench(target, drafter, ROWS, cfg, progress=False, log=quiet)
+    export_model(target, None, tmp_path / "ar", max_len=suite_max_length(encoded, cfg), chunk=16, progress=False)
+    cfg = BenchConfig(**{**cfg.__dict__, "engines": (str(tmp_path / "e"), str(tmp_path / "ar"))})
+    rep = run_bench(target, drafter, ROWS, cfg, progress=False, log=quiet)  # the AR engine runs without the drafter
     assert rep["mismatches"] == [] and not rep["skipped"]
-    assert set(rep["overall"]) == {"hf", "tree-4", "tree-4@compile", "tree-4@aoti:e", "adaptive@compile"}
-    for m in ("tree-4@compile", "tree-4@aoti:e"):
+    assert set(rep["overall"]) == {"hf", "ar", "ar@onnx:ar", "tree-4", "tree-4@compile", "tree-4@aoti:e",
+                                   "adaptive@compile"}
+    assert rep["overall"]["tree-4@compile"]["ar_method"] == "ar"  # the run has no ar@compile
+    assert rep["overall"]["ar@onnx:ar"]["ar_method"] == "ar@onnx:ar"
+    assert rep["overall"]["adaptive@compile"]["ar_method"] == "ar" and "Same-engine AR is" not in markdown(rep)
+    for m in ("tree-4@compile", "tree-4@aoti:e", "ar@onnx:ar"):
         assert rep["overall"][m]["speedup_vs_eager"]["n"] == len(ROWS)
     assert rep["overall"]["tree-4"]["speedup_vs_eager"] is None
     assert "× its eager method" in markdown(rep)
