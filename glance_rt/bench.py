@@ -401,13 +401,13 @@ def plots(report: dict, folder) -> list[Path]:
     kinds = list(report["kinds"])
     out = []
 
-    fig, ax = plt.subplots(figsize=(min(max(6, 0.3 * len(methods) * max(len(kinds), 1)), 14), 4))
+    fig, ax = plt.subplots(figsize=(min(max(6, 0.3 * len(methods) * max(len(kinds), 1)), 14), 5))
     width = 0.8 / max(len(kinds), 1)
     for j, kind in enumerate(kinds):
         vals = [report["kinds"][kind][m]["speedup_vs_ar"]["median"] or 0 for m in methods]
         ax.bar(np.arange(len(methods)) + j * width, vals, width, label=kind)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(np.arange(len(methods)) + width * (len(kinds) - 1) / 2, methods)
+    ax.set_xticks(np.arange(len(methods)) + width * (len(kinds) - 1) / 2, methods, rotation=25, ha="right")
     ax.set_ylabel("median speedup over same-engine AR")
     _legend(ax)
     ax.set_title(f"{report['target']} — speedup per method and kind")
