@@ -11,7 +11,8 @@ image whose processed inputs match no bucket is refused with the sizes that exis
 Qwen2-VL-family graphs are traced (the TorchScript-based exporter): their vision tower derives
 window and position indices from the grid with data-dependent shapes, which torch.export cannot
 capture but a trace at a fixed grid bakes in, exactly as a static bucket should. The others go
-through torch.export (the tracer mistypes Idefics3's position gather).
+through torch.export (the tracer mistypes Idefics3's position gather), LLaVA-OneVision with its image
+size and image count as Python constants.
 """
 
 import io
@@ -23,16 +24,18 @@ from torch import nn
 
 from glance_rt.errors import GlanceError
 
-VISION_ARCHS = ("qwen2_vl", "qwen2_5_vl", "llava", "idefics3", "smolvlm")
+VISION_ARCHS = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_onevision", "idefics3", "smolvlm")
 PIXEL_INPUTS = ("pixel_values", "pixel_attention_mask")  # graph inputs
-SIZE_CONSTANTS = ("image_grid_thw", "image_sizes")  # baked into a bucket's graph
+SIZE_CONSTANTS = ("image_grid_thw", "image_sizes", "batch_num_images")  # baked into a bucket's graph
+AS_LISTS = ("image_sizes", "batch_num_images")  # LLaVA-OneVision's anyres code rounds and loops over these:
+# as Python values they are constants to the exporter, as tensors they would be data-dependent
 TRACED = ("qwen2_vl", "qwen2_5_vl")
 
 
 def _check_arch(target) -> None:
     if target.parts.model_type not in VISION_ARCHS:
         raise GlanceError(f"vision graphs are exported for {', '.join(VISION_ARCHS)}; {target.parts.model_type} "
-                          "is not among them (its vision tower runs in torch at prefill)")
+                          "is not among them (a text-only model takes no --image-size)")
 
 
 def bucket_key(inputs: dict) -> str:
@@ -81,7 +84,8 @@ def export_vision(target, out: Path, sizes, opset: int, progress: bool = True) -
         names = [k for k in PIXEL_INPUTS if inputs.get(k) is not None]
         pixels = [inputs[k].to(target.device, dtype if inputs[k].is_floating_point() else inputs[k].dtype)
                   for k in names]
-        constants = {k: inputs[k].to(target.device) for k in SIZE_CONSTANTS if inputs.get(k) is not None}
+        constants = {k: inputs[k].tolist() if k in AS_LISTS else inputs[k].to(target.device)
+                     for k in SIZE_CONSTANTS if inputs.get(k) is not None}
         graph = _Vision(target.hf_model, names, constants).eval()
         with torch.no_grad():
             feats = graph(*pixels)

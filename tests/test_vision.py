@@ -1,7 +1,7 @@
 """Vision graphs (`glance-rt export --image-size WxH`): per image bucket, the ONNX vision graph
 through ONNX Runtime + merge gives the prefill inputs HF gives (embeddings, M-RoPE positions) on
 every supported VLM; engines with vision graphs decode image prompts == HF greedy; an image of
-another size, an unsupported architecture and an aoti engine are refused with what to do."""
+another size, a text-only target and an aoti engine are refused with what to do."""
 
 import json
 
@@ -67,7 +67,7 @@ def test_onnxruntime_engine_with_vision_graphs(tmp_path):
 
 
 def test_refusals(tmp_path):
-    target, _, _ = tiny_target("llava_onevision")
+    target, _, _ = tiny_target("qwen3")
     with pytest.raises(glance_rt.GlanceError, match="vision graphs are exported for"):
         export_vision(target, tmp_path, [(56, 56)], 20, progress=False)
     target, _, _ = tiny_target("llava")
