@@ -70,7 +70,11 @@ inline float Dot(const float* a, const float* b, int64_t d) {
   return sum;
 }
 
-// One query row: softmax(scale * q.k_j) over the visible rows `rows`, weighted sum of v_j.
+// One query row: softmax(scale * q.k_j) over the visible rows `rows`, weighted sum of v_j. Built for
+// AVX-512, AVX2 and baseline x86-64, picked by the loader for the CPU it runs on (GCC target_clones).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
 void AttendRow(const float* q, const float* k, const float* v, const std::vector<int64_t>& rows, int64_t d,
                float scale, std::vector<float>* scores, float* out) {
   scores->resize(rows.size());
