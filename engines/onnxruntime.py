@@ -116,9 +116,7 @@ def runners(path: Path, manifest: dict, graphs) -> dict:
 
 
 def vision(path: Path, manifest: dict, target):
-    """The engine's vision graphs (one per image bucket) as a `prefill_inputs` for the Decoder, or None."""
-    if not manifest.get("vision"):
-        return None
+    """The engine's vision graphs (one per image bucket) as a `prefill_inputs` for the Decoder."""
     from glance_rt.export.vision import VisionGraphs
 
     return VisionGraphs(target, path, manifest, lambda p, info: _session(p, info, "portable")).prefill_inputs

@@ -78,9 +78,10 @@ def export_vision(target, out: Path, sizes, opset: int, progress: bool = True) -
     info, seen = {}, set()
     for i, size in enumerate(tqdm(list(sizes), desc="vision graphs", unit="graph", disable=not progress)):
         inputs = example_inputs(target, tuple(size))
-        if bucket_key(inputs) in seen:  # the processor prepares this size like an earlier one (e.g. a fixed resize)
+        bucket = bucket_key(inputs)
+        if bucket in seen:  # the processor prepares this size like an earlier one (e.g. a fixed resize)
             continue
-        seen.add(bucket_key(inputs))
+        seen.add(bucket)
         names = [k for k in PIXEL_INPUTS if inputs.get(k) is not None]
         pixels = [inputs[k].to(target.device, dtype if inputs[k].is_floating_point() else inputs[k].dtype)
                   for k in names]
@@ -105,7 +106,7 @@ def export_vision(target, out: Path, sizes, opset: int, progress: bool = True) -
             onnx.save(model, str(tmp), save_as_external_data=True, location=f"{key}.onnx.data")
             tmp.replace(file)
         shapes = [[n, list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in zip(names, pixels, strict=True)]
-        info[key] = {"file": file.name, "image_size": list(size), "bucket": bucket_key(inputs), "inputs": shapes,
+        info[key] = {"file": file.name, "image_size": list(size), "bucket": bucket, "inputs": shapes,
                      "outputs": [["image_features", list(feats.shape), str(feats.dtype).removeprefix("torch.")]]}
     from glance_rt.export.onnx import _describe
 

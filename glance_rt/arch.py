@@ -280,6 +280,11 @@ def capture_prefill(hf_model: nn.Module, parts: TextParts, inputs: Mapping) -> P
             raise RuntimeError(f"internal: {parts.model_type} fed its text decoder positions {pos.tolist()}")
         return PrefillInputs(embeds, positions, 0)
 
+    return _mrope_prefill(embeds, pos, P, hf_deltas)
+
+
+def _mrope_prefill(embeds: torch.Tensor, pos: torch.Tensor | None, P: int, hf_deltas=None) -> PrefillInputs:
+    """PrefillInputs for an M-RoPE model from the position ids HF computed for the prompt."""
     positions = _mrope_positions(pos, P).to(device=embeds.device, dtype=torch.long).contiguous()  # [3, P]
     rope_delta = int(positions.max()) + 1 - P
     if hf_deltas is not None and int(hf_deltas.reshape(-1)[0]) != rope_delta:
@@ -314,10 +319,7 @@ def merge_image_features(hf_model: nn.Module, parts: TextParts, inputs: Mapping,
     kw = {k: inputs[k].to(weight.device) for k in ("mm_token_type_ids", "image_grid_thw", "attention_mask")
           if inputs.get(k) is not None}
     pos, _ = hf_model.model.get_rope_index(ids, **kw)  # [3, 1, P]
-    positions = _mrope_positions(pos, P).to(device=weight.device, dtype=torch.long).contiguous()  # [3, P]
-    if not bool((positions[:, -1] == positions.max()).all()):
-        raise GlanceError("the prompt ends inside an image: end it with text (e.g. the chat template's assistant turn)")
-    return PrefillInputs(embeds, positions, int(positions.max()) + 1 - P)
+    return _mrope_prefill(embeds, pos, P)
 
 
 def extend_inputs(inputs: Mapping, tokens: list[int]) -> dict:
