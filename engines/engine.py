@@ -98,7 +98,7 @@ def _load_sources(m: dict, target, drafter):
     return target, drafter
 
 
-def load_engine(cls, path, target=None, drafter=None, tree_budget=None):
+def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int = 0):
     """A `cls` (Decoder) whose passes run the engine in `path`."""
     from glance_rt.adaptive import AdaptiveBudget
 
@@ -114,7 +114,8 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None):
     if drafter is not None and any(b not in budgets for b in asked):
         raise GlanceError(f"engine {path} has tree budgets {budgets}; {asked} asked. Pick among them or rebuild "
                           "with `glance-rt build-engine --tree-budget ...`")
-    dec = cls(target, drafter, tree_budget=tree_budget, chain=m["chain"], max_length=m["max_len"], chunk=m["chunk"])
+    dec = cls(target, drafter, tree_budget=tree_budget, chain=m["chain"], max_length=m["max_len"], chunk=m["chunk"],
+              lookup=lookup)
     dec.passes = dec.static_passes(lambda graphs: impl.runners(path, m, graphs), m["chunk"])
     if m.get("vision"):  # ONNX vision graphs, one per image bucket, replace the torch vision tower at prefill
         dec.prefill_inputs = impl.vision(path, m, target)

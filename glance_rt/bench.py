@@ -2,9 +2,9 @@
 every output checked against Hugging Face greedy decoding.
 
 Methods: `ar` (same-engine autoregression), `chain` (DFlash-style width-1 tree), `tree-N` (GLANCE
-trees of budget N), `adaptive` (per round, the tree-N bucket the entropy law predicts is fastest,
-calibrated on the warm-up prompts' tree-N rounds), `hf` (HF `generate` greedy), `hf-lookup` (HF
-prompt-lookup decoding). Ratios
+trees of budget N; `tree-N+lookup` grafts a prompt-lookup chain into each tree), `adaptive` (per
+round, the tree-N bucket the entropy law predicts is fastest, calibrated on the warm-up prompts'
+tree-N rounds), `hf` (HF `generate` greedy), `hf-lookup` (HF prompt-lookup decoding). Ratios
 are per prompt (same prompt, same tokens) and summarised by their median and quartiles.
 """
 
@@ -29,6 +29,8 @@ class BenchConfig:
     max_new_tokens: int = 128
     warmup: int = 1  # prompts run once per method before timing
     lookup_tokens: int = 10  # HF prompt_lookup_num_tokens
+    lookup_ngram: int = 3  # `tree-N+lookup`: the largest n-gram matched (Decoder lookup=)
+    engine_lookup: bool = False  # also run each drafter engine with lookup (`tree-N+lookup@backend:NAME`)
     max_length: int | None = None  # static cache rows; None: the suite's longest prompt + max_new_tokens + scratch
     engines: tuple[str, ...] = ()  # engine folders (glance-rt build-engine), benched as method "engine:NAME"
 
@@ -90,8 +92,16 @@ def _hf_runner(target, cfg: BenchConfig, lookup: bool):
     return run
 
 
+def tree_method(method: str) -> tuple[int, bool] | None:
+    """`tree-N[+lookup][@backend[:name]]` -> (N, with lookup); None for any other method."""
+    base, plus, extra = method.partition("@")[0].partition("+")
+    if base.startswith("tree-") and base[5:].isdigit() and (plus, extra) in (("", ""), ("+", "lookup")):
+        return int(base[5:]), bool(extra)
+    return None
+
+
 def _glance_runner(target, drafter, cfg: BenchConfig, method: str, policy=None):
-    """Methods `ar`, `chain`, `tree-N`, `adaptive`, each optionally `@compile` (the compiled backend)."""
+    """Methods `ar`, `chain`, `tree-N`, `tree-N+lookup`, `adaptive`, each optionally `@compile`."""
     from glance_rt.decoder import BACKENDS, Decoder
 
     base, _, backend = method.partition("@")
@@ -99,6 +109,7 @@ def _glance_runner(target, drafter, cfg: BenchConfig, method: str, policy=None):
     if backend not in BACKENDS:
         raise GlanceError(f"unknown backend in method {method!r}: use {', '.join(BACKENDS)}")
     kw = {"max_length": cfg.max_length, "backend": backend}
+    tree = tree_method(method)
     if base == "ar":
         dec = Decoder(target, None, **kw)
     elif drafter is None:
@@ -108,7 +119,7 @@ def _glance_runner(target, drafter, cfg: BenchConfig, method: str, policy=None):
     elif base == "chain":
         dec = Decoder(target, drafter, chain=True, **kw)
     else:
-        dec = Decoder(target, drafter, tree_budget=int(base.split("-")[1]), **kw)
+        dec = Decoder(target, drafter, tree_budget=tree[0], lookup=cfg.lookup_ngram if tree[1] else 0, **kw)
     return _decoder_runner(dec, cfg)
 
 
@@ -124,17 +135,17 @@ def _decoder_runner(dec, cfg: BenchConfig):
 def engine_method(dec, folder) -> str:
     """`tree-32@aoti:NAME`: the eager method it computes, the engine's backend and folder name."""
     base = "ar" if dec.drafter is None else "chain" if dec.chain else f"tree-{dec.tree_budget}"
-    return f"{base}@{dec.backend}:{Path(folder).name}"
+    return f"{base}{'+lookup' if dec.lookup else ''}@{dec.backend}:{Path(folder).name}"
 
 
 def make_runner(method: str, target, drafter, cfg: BenchConfig):
     if method in ("hf", "hf-lookup"):
         return _hf_runner(target, cfg, lookup=method == "hf-lookup")
     base = method.partition("@")[0]
-    if base in ("ar", "chain") or (base.startswith("tree-") and base[5:].isdigit()):
+    if base in ("ar", "chain") or tree_method(method) is not None:
         return _glance_runner(target, drafter, cfg, method)
-    raise GlanceError(f"unknown method {method!r}: use ar, chain, tree-N, adaptive (each optionally @compile), "
-                      "hf, hf-lookup")
+    raise GlanceError(f"unknown method {method!r}: use ar, chain, tree-N, tree-N+lookup, adaptive (each "
+                      "optionally @compile), hf, hf-lookup")
 
 
 def eager_base(method: str) -> str | None:
@@ -149,7 +160,7 @@ def suite_max_length(encoded: list[dict], cfg: BenchConfig) -> int:
     largest tree of the methods, or a 64-row block), rounded up to 64: static backends attend over
     all of them, so no more than needed."""
     longest = max(e["input_ids"].shape[1] for e in encoded)
-    trees = [int(b[5:]) for m in cfg.methods if (b := m.partition("@")[0]).startswith("tree-") and b[5:].isdigit()]
+    trees = [t[0] for m in cfg.methods if (t := tree_method(m)) is not None]
     scratch = max([n + 1 for n in trees] + [64])
     return -(-(longest + cfg.max_new_tokens + scratch) // 64) * 64
 
@@ -187,14 +198,17 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
         autoregressive = read_manifest(Path(folder))["source"]["drafter_weights"] is None  # an AR engine
         dec = Decoder.from_engine(folder, target, None if autoregressive else drafter)
         runners[engine_method(dec, folder)] = _decoder_runner(dec, cfg)
+        if cfg.engine_lookup and not autoregressive and not dec.chain:
+            dec = Decoder.from_engine(folder, target, drafter, lookup=cfg.lookup_ngram)
+            runners[engine_method(dec, folder)] = _decoder_runner(dec, cfg)
     calibration: dict[str, dict[int, list]] = {}  # backend -> budget -> rounds
     policy = None
     for inputs in encoded[: cfg.warmup]:
         for m, run in runners.items():
             stats = run(inputs)[3]
-            base, _, backend = m.partition("@")
-            if base.startswith("tree-") and stats is not None:
-                calibration.setdefault(backend or "eager", {}).setdefault(int(base[5:]), []).extend(
+            backend, tree = m.partition("@")[2], tree_method(m)
+            if tree is not None and not tree[1] and stats is not None:  # plain trees calibrate adaptive
+                calibration.setdefault(backend or "eager", {}).setdefault(tree[0], []).extend(
                     zip(stats.prior_entropy, stats.accepted_lengths, stats.round_seconds, strict=True))
     for adaptive in [m for m in cfg.methods if m.partition("@")[0] == "adaptive"]:
         try:

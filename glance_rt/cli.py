@@ -66,6 +66,8 @@ def _load(target_path, drafter_path, dtype, device):
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--tree-budget", default=32, show_default=True, type=int, help="Draft nodes verified per round.")
 @click.option("--chain", is_flag=True, help="Verify a width-1 chain (DFlash-style) instead of a tree.")
+@click.option("--lookup", default=0, show_default=True, type=int,
+              help="Graft a prompt-lookup chain (n-grams up to N) into each tree; 0: the drafter alone.")
 @click.option("--max-length", default=2048, show_default=True, type=int, help="Static cache rows.")
 @DTYPE
 @DEVICE
@@ -74,19 +76,19 @@ def _load(target_path, drafter_path, dtype, device):
 @click.option("--engine", "engine_dir", type=click.Path(), default=None,
               help="Run a built engine (glance-rt build-engine); its manifest sets budget, shapes and sources.")
 @click.option("--stats", is_flag=True, help="Print acceptance and timing statistics after the answer.")
-def generate(target_path, drafter_path, images, prompt, max_new_tokens, tree_budget, chain, max_length, dtype,
-             device, backend, engine_dir, stats):
+def generate(target_path, drafter_path, images, prompt, max_new_tokens, tree_budget, chain, lookup, max_length,
+             dtype, device, backend, engine_dir, stats):
     """Stream the target's exact greedy answer to PROMPT, drafted and tree-verified."""
     try:
         from glance_rt.decoder import Decoder
 
         if engine_dir is not None:
-            dec = _engine_decoder(engine_dir, target_path, drafter_path)
+            dec = _engine_decoder(engine_dir, target_path, drafter_path, lookup)
             target = dec.target
         else:
             target, drafter = _load(target_path, drafter_path, dtype, device)
             dec = Decoder(target, drafter, tree_budget=tree_budget, chain=chain, max_length=max_length,
-                          backend=backend)
+                          backend=backend, lookup=lookup)
         pil = [_open_image(p) for p in images]
         inputs = target.encode_chat(prompt, pil)
         start = time.perf_counter()
@@ -132,11 +134,13 @@ def generate(target_path, drafter_path, images, prompt, max_new_tokens, tree_bud
 @click.option("--eval-budget", default=32, show_default=True, type=int)
 @click.option("--limit", default=None, type=int, help="Use only the first N prompts (smoke runs).")
 @click.option("--per-kind", default=None, type=int, help="Train on at most N prompts of each kind.")
-@click.option("--no-bf16", is_flag=True, help="Keep the frozen lm_head copy in fp32 for the loss.")
+@click.option("--no-bf16", is_flag=True, help="Train in fp32 (default: bf16 autocast and a bf16 lm_head copy).")
+@click.option("--draft-vocab", default=8192, show_default=True, type=int,
+              help="Draft vocabulary: the N most frequent response tokens (0: the whole vocabulary).")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its last complete stage/checkpoint.")
 def train(target_path, prompts, images, out, num_layers, block_size, target_layer_ids, response_tokens,
           response_batch, steps, batch_size, blocks_per_seq, lr, gamma, seed, save_every, eval_every,
-          eval_per_kind, eval_budget, limit, per_kind, no_bf16, resume):
+          eval_per_kind, eval_budget, limit, per_kind, no_bf16, draft_vocab, resume):
     """Train a GLANCE drafter for a target by self-distillation (resumable; torchrun for data parallel)."""
     try:
         import glance_rt
@@ -149,7 +153,7 @@ def train(target_path, prompts, images, out, num_layers, block_size, target_laye
                           steps=steps, batch_size=batch_size, blocks_per_seq=blocks_per_seq, lr=lr, gamma=gamma,
                           seed=seed, save_every=save_every, eval_every=eval_every, eval_per_kind=eval_per_kind,
                           eval_budget=eval_budget, limit=limit, per_kind=per_kind, bf16=not no_bf16,
-                          resume=resume)
+                          draft_vocab=draft_vocab or None, resume=resume)
         target = glance_rt.load_target(target_path)
         _, result = run_training(target, cfg)
     except GlanceError as e:
@@ -222,18 +226,21 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, tr
 @click.option("--per-kind", default=4, show_default=True, type=int, help="At most N prompts of each kind.")
 @SUITE_IMAGES
 @click.option("--methods", default="ar,chain,tree-8,tree-16,tree-32,tree-64,adaptive,hf,hf-lookup", show_default=True,
-              help="Comma-separated: ar, chain, tree-N, adaptive (each optionally @compile), hf, hf-lookup.")
+              help="Comma-separated: ar, chain, tree-N, tree-N+lookup, adaptive (each optionally @compile), hf, "
+                   "hf-lookup.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--warmup", default=1, show_default=True, type=int, help="Prompts run untimed first.")
 @DTYPE
 @DEVICE
 @click.option("--engine", "engines", type=click.Path(), multiple=True,
               help="Also bench a built engine (repeatable), as method BASE@BACKEND:NAME.")
+@click.option("--engine-lookup", is_flag=True,
+              help="Also run each drafter engine with prompt lookup (BASE+lookup@BACKEND:NAME).")
 @click.option("--json", "json_out", type=click.Path(), default=None, help="Machine-readable report.")
 @click.option("--report", "report_md", type=click.Path(), default=None, help="Markdown report.")
 @click.option("--plots", "plot_dir", type=click.Path(), default=None, help="Folder for PNG plots.")
 def bench(target_path, drafter_path, suite, per_kind, images, methods, max_new_tokens, warmup, dtype, device,
-          engines, json_out, report_md, plot_dir):
+          engines, engine_lookup, json_out, report_md, plot_dir):
     """Methods side by side in one process, interleaved per prompt, every output checked against HF greedy."""
     from glance_rt import bench as bench_mod
     from glance_rt.suites import suite_rows
@@ -242,7 +249,8 @@ def bench(target_path, drafter_path, suite, per_kind, images, methods, max_new_t
         target, drafter = _load(target_path, drafter_path, dtype, device)
         rows = suite_rows(suite, per_kind)
         cfg = bench_mod.BenchConfig(methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
-                                    max_new_tokens=max_new_tokens, warmup=warmup, engines=tuple(engines))
+                                    max_new_tokens=max_new_tokens, warmup=warmup, engines=tuple(engines),
+                                    engine_lookup=engine_lookup)
         report = bench_mod.run_bench(target, drafter, rows, cfg, images, log=lambda m: click.echo(m, err=True))
         bench_mod.write_outputs(report, json_out, report_md, plot_dir)
     except GlanceError as e:
@@ -252,7 +260,7 @@ def bench(target_path, drafter_path, suite, per_kind, images, methods, max_new_t
         raise SystemExit(1)
 
 
-def _engine_decoder(engine_dir, target_path, drafter_path):
+def _engine_decoder(engine_dir, target_path, drafter_path, lookup: int = 0):
     """Decoder.from_engine, with --target/--drafter overriding the sources its manifest names."""
     import glance_rt
     from glance_rt.engines.manifest import read_manifest
@@ -264,7 +272,7 @@ def _engine_decoder(engine_dir, target_path, drafter_path):
                                        device=m["source"]["device"])
     if drafter_path is not None:
         drafter = glance_rt.load_drafter(drafter_path, target)
-    return glance_rt.Decoder.from_engine(engine_dir, target, drafter)
+    return glance_rt.Decoder.from_engine(engine_dir, target, drafter, lookup=lookup)
 
 
 @main.command("build-engine")

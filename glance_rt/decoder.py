@@ -7,6 +7,7 @@ one row). Output tokens are exactly the target's greedy tokens.
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -14,7 +15,7 @@ from glance_rt.commit import apply_stops, committed_tokens
 from glance_rt.errors import GlanceError
 from glance_rt.model import TargetDecoder
 from glance_rt.passes import EagerPasses
-from glance_rt.tree import build_tree, check_budget
+from glance_rt.tree import build_tree, check_budget, prompt_lookup
 
 PHASES = ("prefill", "draft", "tree", "verify", "commit")
 BACKENDS = ("eager", "compile")
@@ -75,10 +76,14 @@ class Decoder:
     `torch.compile(fullgraph=True)`, with CUDA graphs on a GPU, and the prompt's prefill eagerly.
     Static passes attend over all `max_length` cache rows, so size it to the job. `chunk` is their
     prompt chunk (rows per prefill / drafter-context pass). `Decoder.from_engine(DIR)` runs a built engine.
+
+    `lookup` > 0 grafts a prompt-lookup chain into every tree: the tokens that followed the latest
+    earlier occurrence of the context's last n-gram (n <= lookup), in the prompt or the output so far
+    (at most B-1 tokens and half the budget; `glance_rt.tree.prompt_lookup`). 0: the drafter alone.
     """
 
     def __init__(self, target, drafter=None, tree_budget=32, chain: bool = False, max_length: int = 2048,
-                 backend: str = "eager", chunk: int = 64):
+                 backend: str = "eager", chunk: int = 64, lookup: int = 0):
         from glance_rt.adaptive import AdaptiveBudget
         from glance_rt.draft import DraftPass
         from glance_rt.drafter import GlanceDrafter, check_compatible
@@ -98,12 +103,18 @@ class Decoder:
                               "(built engines load with Decoder.from_engine)")
         if chunk < 1:
             raise GlanceError(f"chunk must be at least 1, got {chunk}")
+        if lookup < 0 or (lookup and (chain or drafter is None)):
+            raise GlanceError(f"lookup={lookup}: prompt lookup takes an n-gram size >= 1 and grafts onto a "
+                              "drafter's tree (not a chain or autoregression); use lookup=0 there")
+        self.lookup = lookup
         self.target, self.chain, self.max_length = target, chain, max_length
         self.prefill_inputs = target.prefill_inputs  # inputs -> PrefillInputs (an engine may bring vision graphs)
         if isinstance(drafter, GlanceDrafter):
             check_compatible(drafter.config, target)
             drafter = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, max_length)
         self.drafter = drafter
+        vocab = getattr(drafter, "vocab", None)  # draft-logit column -> token id, or None
+        self.draft_vocab = None if vocab is None else vocab.cpu().numpy()
         if drafter is None:
             self.policy = None
         self.tree_budget = 0 if drafter is None else min(tree_budget, drafter.block_size - 1) if chain else tree_budget
@@ -133,13 +144,14 @@ class Decoder:
         return StaticPasses(graphs, make_fns(graphs), StaticShapes(chunk, block))
 
     @classmethod
-    def from_engine(cls, path, target=None, drafter=None, tree_budget=None) -> "Decoder":
+    def from_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int = 0) -> "Decoder":
         """A Decoder that runs the engine built in `path` (`glance-rt build-engine`). `target` and
         `drafter` default to the ones the engine was built from (any other must match its manifest);
-        `tree_budget` defaults to its largest budget bucket, or pass an int or AdaptiveBudget over its buckets."""
+        `tree_budget` defaults to its largest budget bucket, or pass an int or AdaptiveBudget over its
+        buckets; `lookup` as in `Decoder` (a host-side choice of tree rows: any engine runs it)."""
         from glance_rt.engines.engine import load_engine
 
-        return load_engine(cls, path, target, drafter, tree_budget)
+        return load_engine(cls, path, target, drafter, tree_budget, lookup)
 
     # ------------------------------------------------------------------ positions
 
@@ -180,6 +192,10 @@ class Decoder:
         produced = len(kept)
         yield kept
         n, bonus, ctx_feats, ctx_start = p + 1, first, feats, 0
+        history = None  # prompt + committed tokens, for prompt lookup
+        if self.lookup:
+            ids = inputs.get("input_ids")
+            history = np.array(([] if ids is None else ids.reshape(-1).tolist()) + kept, dtype=np.int64)
         while not done:
             round_start = time.perf_counter()
             block_start = n - 1
@@ -189,7 +205,8 @@ class Decoder:
                 stats.draft_passes += 1
                 clock.lap("draft")
             budget = self.tree_budget if self.policy is None else self.policy.choose(prior)
-            tree = build_tree(draft_logits, bonus, budget, self.chain)
+            chain = () if history is None else prompt_lookup(history, self.lookup, budget)
+            tree = build_tree(draft_logits, bonus, budget, self.chain, self.draft_vocab, chain)
             tokens = torch.from_numpy(tree.tokens).to(dev)
             mask = torch.from_numpy(tree.mask).to(dev)
             index = torch.from_numpy(tree.depth).to(dev) + block_start
@@ -210,6 +227,8 @@ class Decoder:
                 self.passes.commit(path, block_start)
                 ctx_feats = feats[torch.tensor(path, device=dev)] if self.drafter is not None else feats
                 ctx_start, n, bonus = block_start, n + len(path), run[-1]
+                if history is not None:
+                    history = np.concatenate([history, np.asarray(run, dtype=np.int64)])
             clock.lap("commit")
             stats.round_seconds.append(time.perf_counter() - round_start)
             yield kept

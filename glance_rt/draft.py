@@ -11,6 +11,7 @@ the block then overwrites) and attention over all `max_len` cache rows.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glance_rt.attention import tree_attention
@@ -22,7 +23,8 @@ from glance_rt.model import apply_rope
 class DraftPass(nn.Module):
     """Runs a `GlanceDrafter` against a target's shared embeddings and lm_head, with a static
     context cache of `max_len` rows. Call: `(ctx_feats [m, F], ctx_start, bonus, block_start)`
-    -> draft logits [B-1, V] for depths 1..B-1. Requires `ctx_start + m == block_start`."""
+    -> draft logits [B-1, V] for depths 1..B-1 (column j is token `vocab[j]` when the drafter has a
+    draft vocabulary, else token j). Requires `ctx_start + m == block_start`."""
 
     def __init__(self, drafter: GlanceDrafter, embed_tokens: nn.Module, lm_head: nn.Module, max_len: int):
         super().__init__()
@@ -37,6 +39,22 @@ class DraftPass(nn.Module):
         self.register_buffer("block_ids", ids.to(w.device), persistent=False)
         self.register_buffer("block_mask", torch.ones(c.block_size, c.block_size, dtype=torch.bool, device=w.device),
                              persistent=False)
+        if c.draft_vocab_size is not None:  # the lm_head rows of the draft vocabulary, gathered once
+            head = lm_head.weight.detach()[drafter.draft_vocab]  # [Vd, H]
+            self.register_buffer("head_weight", head.contiguous(), persistent=False)
+            bias = getattr(lm_head, "bias", None)
+            bias = None if bias is None else bias.detach()[drafter.draft_vocab]
+            self.register_buffer("head_bias", bias, persistent=False)
+
+    @property
+    def vocab(self) -> Tensor | None:
+        """[Vd] the token id of each draft-logit column, or None (column j is token j)."""
+        return getattr(self.drafter, "draft_vocab", None)
+
+    def head(self, h: Tensor) -> Tensor:
+        if self.vocab is None:
+            return self.lm_head(h)
+        return F.linear(h, self.head_weight, self.head_bias)
 
     def block_embeds(self, bonus: Tensor) -> Tensor:
         x = self.embed_tokens(torch.cat([bonus.view(1), self.block_ids[1:]]))[None]  # [1, B, H]
@@ -71,7 +89,7 @@ class DraftPass(nn.Module):
             h = layer_out(layer, h, attn)
         # all B rows through the head, then drop row 0: for B=8 MKL's GEMM takes 16 ms at M=8 and
         # 33 ms at M=7 (2-core CPU); draft numerics never affect the output, only acceptance
-        return self.lm_head(d.norm(h))[0, 1:]  # [B-1, V]
+        return self.head(d.norm(h))[0, 1:]  # [B-1, V or Vd]
 
     def step(self, ctx_feats: Tensor, ctx_start: Tensor, bonus: Tensor, block_start: Tensor, kv_len: int) -> Tensor:
         self.context(ctx_feats, ctx_start)

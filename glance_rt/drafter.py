@@ -5,6 +5,11 @@ Architecture (weight names as DFlash's, so published DFlash drafters load and ou
 features; decoder layers (RMSNorm, attention with q/k norm whose K/V are projections of both the
 context features and the block, SwiGLU MLP); 1-D RoPE; final `norm`. The target's `embed_tokens`
 and `lm_head` are shared and frozen (they are not part of the checkpoint).
+
+Draft vocabulary (as EAGLE-3's): a drafter may propose only `draft_vocab` [Vd], a sorted subset of the
+target's token ids (the most frequent in its training responses). Its logits are then the lm_head
+rows of that subset: a pass over 8k rows instead of 49k, in training and at inference, at the cost
+of never drafting a rare token (verification still decides every token, so output is unchanged).
 """
 
 import json
@@ -39,6 +44,7 @@ class DrafterConfig:
     block_size: int = 8
     mask_token_id: int | None = None  # a target token used as the mask ...
     learned_mask: bool = True  # ... or a learned mask embedding (`mask_embedding`)
+    draft_vocab_size: int | None = None  # None: draft over the whole vocabulary; else a `draft_vocab` buffer
 
     def validate(self) -> None:
         if not 2 <= self.block_size <= MAX_BLOCK_SIZE:
@@ -49,6 +55,8 @@ class DrafterConfig:
             raise GlanceError("a drafter needs a mask_token_id or a learned mask embedding")
         if self.num_attention_heads % self.num_key_value_heads:
             raise GlanceError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise GlanceError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -155,6 +163,8 @@ class GlanceDrafter(nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.learned_mask:
             self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size))
+        if c.draft_vocab_size is not None:  # [Vd] target token ids the drafter may propose, sorted
+            self.register_buffer("draft_vocab", torch.arange(c.draft_vocab_size))
 
     @property
     def block_size(self) -> int:
@@ -197,7 +207,8 @@ def _config_json(c: DrafterConfig, dtype: torch.dtype) -> dict:
             "target_layer_ids": list(c.target_layer_ids),
             "mask_token_id": c.mask_token_id,
         },
-        "glance": {"format_version": FORMAT_VERSION, "learned_mask": c.learned_mask},
+        "glance": {"format_version": FORMAT_VERSION, "learned_mask": c.learned_mask,
+                   "draft_vocab_size": c.draft_vocab_size},
     }
 
 
@@ -224,6 +235,7 @@ def _config_from_json(d: dict) -> DrafterConfig:
         block_size=int(dflash.get("block_size", d.get("block_size", 16))),
         mask_token_id=dflash.get("mask_token_id", d.get("mask_token_id")),
         learned_mask=bool(glance.get("learned_mask", False)),
+        draft_vocab_size=glance.get("draft_vocab_size"),
     )
 
 
@@ -236,7 +248,8 @@ def save_drafter(drafter: GlanceDrafter, path, dtype: torch.dtype | None = None)
     dtype = dtype or next(drafter.parameters()).dtype
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    state = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
+             for k, v in drafter.state_dict().items()}
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(_config_json(drafter.config, dtype), indent=2))
     os.chmod(tmp, 0o755)  # mkdtemp makes 0700; a drafter folder is meant to be shared
@@ -284,6 +297,11 @@ def read_drafter(path, dtype: torch.dtype = torch.float32, device="cpu") -> Glan
             f"{weights} does not match its config.json (missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}); re-save or re-train the drafter"
         )
+    if config.draft_vocab_size is not None:
+        v = drafter.draft_vocab
+        if v.numel() and (int(v.min()) < 0 or int(v.max()) >= config.vocab_size or not bool((v[1:] > v[:-1]).all())):
+            raise GlanceError(f"{weights}: draft_vocab must hold sorted, distinct token ids below "
+                              f"{config.vocab_size}; re-save or re-train the drafter")
     return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 

@@ -47,7 +47,8 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     gamma: float = 7.0  # loss weight of depth k: exp(-(k-1)/gamma)
-    bf16: bool = True  # bf16 frozen lm_head copy for the loss (CPU AVX512-BF16 / GPU)
+    bf16: bool = True  # bf16 autocast for the drafter pass and a bf16 lm_head copy (CPU AVX512-BF16 / GPU)
+    draft_vocab: int | None = 8192  # the N most frequent response tokens form the draft vocabulary; None: all
     seed: int = 0
     save_every: int = 100
     eval_every: int = 0  # 0: evaluate at the end only
@@ -61,7 +62,7 @@ class TrainConfig:
     def identity(self) -> dict:
         """What must match for --resume to continue a run in the same folder."""
         keys = ("prompts", "images", "num_layers", "block_size", "target_layer_ids", "response_tokens",
-                "max_seq_len", "seed", "limit", "per_kind")
+                "max_seq_len", "seed", "limit", "per_kind", "draft_vocab")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -344,20 +345,40 @@ def block_forward(drafter, embed: Tensor, features: Tensor, ids: Tensor, anchors
     return drafter.norm(h).view(k_blocks, b, -1)[:, 1:]  # [K, B-1, H]
 
 
-def block_loss(drafter, embed: Tensor, head: Tensor, seq: Sequence, anchors: Tensor, gamma: float):
-    """CE of depth k predicting x_{a+k} through the frozen lm_head, weighted exp(-(k-1)/gamma).
+def block_loss(drafter, embed: Tensor, head: Tensor, seq: Sequence, anchors: Tensor, gamma: float,
+               column: Tensor | None = None):
+    """CE of depth k predicting x_{a+k} through the frozen lm_head rows `head` [Vd, H], weighted
+    exp(-(k-1)/gamma). `column` [V] maps a token id to its row of `head` (-1: not in the draft
+    vocabulary, which the drafter cannot propose: no loss, and a chain stops there); None: row = id.
     Returns (weighted CE sum, weight sum, chain accepted-length sum over the blocks)."""
     b, length = drafter.config.block_size, seq.ids.shape[0]
     out = block_forward(drafter, embed, seq.features, seq.ids, anchors)
-    logits = F.linear(out.to(head.dtype), head).float()  # [K, B-1, V]
+    logits = F.linear(out.to(head.dtype), head).float()  # [K, B-1, Vd]
     tgt_pos = anchors[:, None] + torch.arange(1, b)  # [K, B-1]
-    valid = tgt_pos < length
     targets = seq.ids[tgt_pos.clamp(max=length - 1)]
+    if column is not None:
+        targets = column[targets]
+    valid = (tgt_pos < length) & (targets >= 0)
+    targets = targets.clamp(min=0)
     ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
     weight = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / gamma)[None].expand_as(ce) * valid
     correct = (logits.argmax(-1) == targets) & valid
     accepted = 1 + correct.long().cumprod(1).sum(1)  # chain acceptance of each block (+1 bonus)
     return (ce * weight).sum(), weight.sum(), accepted.sum().item()
+
+
+def choose_draft_vocab(out: Path, n_parts: int, size: int | None, vocab_size: int) -> Tensor | None:
+    """The `size` most frequent token ids of the training responses (ties by id), sorted; None when
+    that would be the whole vocabulary."""
+    if size is None or size >= vocab_size:
+        return None
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in range(n_parts):
+        for line in (out / "responses" / f"part-{i:05d}.jsonl").read_text().splitlines():
+            ids = json.loads(line)["response_ids"] if line else []
+            counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)
+    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))  # deterministic ranking
+    return torch.tensor(sorted(order[:size]))
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -430,7 +451,11 @@ def stage_train(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world
     seqs = load_features(out, n_parts, "train")
     if not seqs:
         raise GlanceError("no training sequences: every response was shorter than 2 tokens or all prompts are held out")
-    drafter = init_drafter(target, cfg.num_layers, cfg.block_size, seed=cfg.seed, target_layer_ids=layer_ids)
+    vocab = choose_draft_vocab(out, n_parts, cfg.draft_vocab, target.vocab_size)
+    drafter = init_drafter(target, cfg.num_layers, cfg.block_size, seed=cfg.seed, target_layer_ids=layer_ids,
+                           draft_vocab_size=None if vocab is None else len(vocab))
+    if vocab is not None:
+        drafter.draft_vocab.copy_(vocab)
     drafter = drafter.float().train().requires_grad_(True)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     start = 0
@@ -441,13 +466,21 @@ def stage_train(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world
         opt.load_state_dict(torch.load(ckpt.path / "trainer.pt", weights_only=True)["optimizer"])
         start = ckpt.step
     embed = target.parts.text_model.embed_tokens.weight.detach().float()
-    head = target.parts.lm_head.weight.detach().to(torch.bfloat16 if cfg.bf16 else torch.float32)
+    head = target.parts.lm_head.weight.detach()
+    column = None
+    if vocab is not None:  # token id -> row of the draft head, -1 outside the draft vocabulary
+        head = head[vocab]
+        column = torch.full((target.vocab_size,), -1, dtype=torch.long)
+        column[vocab] = torch.arange(len(vocab))
+    head = head.to(torch.bfloat16 if cfg.bf16 else torch.float32).contiguous()  # [Vd, H]
+    autocast = torch.autocast(str(target.device.type), dtype=torch.bfloat16, enabled=cfg.bf16)
     bar = _bar(cfg.steps, "train", rank, initial=start)
     for step in range(start, cfg.steps):
         picks = sample_step(seqs, cfg, step)[rank::world]
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        terms = [block_loss(drafter, embed, head, seqs[i], a, cfg.gamma) for i, a in picks]
+        with autocast:
+            terms = [block_loss(drafter, embed, head, seqs[i], a, cfg.gamma, column) for i, a in picks]
         loss_sum = sum(t[0] for t in terms)
         stats = torch.tensor([float(sum(t[1] for t in terms)), float(sum(t[2] for t in terms)),
                               float(sum(len(a) for _, a in picks))])

@@ -5,6 +5,10 @@ sibling (same depth, rank+1) and its first child (depth+1, rank 0). Log-probs ar
 parent always pops before its children and the N pops are exactly the N most likely prefixes.
 Node 0 is the root (the bonus token); nodes 1..N follow in pop order, so parent index < child index.
 A chain (DFlash) is the width-1 tree: the top-1 token at every depth.
+
+Prompt lookup (optional): the tokens that followed the latest earlier occurrence of the context's
+last n-gram (n <= max_ngram) form a chain that is grafted first (nodes 1..L); best-first then
+shares those nodes where its prefixes coincide with them and fills the rest of the budget.
 """
 
 import heapq
@@ -37,19 +41,50 @@ def check_budget(budget: int) -> None:
         raise GlanceError(f"tree_budget must be in [1, {MAX_TREE_BUDGET}], got {budget}")
 
 
-def best_first(top_lp: np.ndarray, top_ids: np.ndarray, budget: int):
-    """top_lp, top_ids [D, K]: per depth, log-probs sorted descending and their tokens.
+def prompt_lookup(history: np.ndarray, max_ngram: int, length: int) -> list[int]:
+    """history [L] (prompt + committed tokens, the root last) -> up to `length` tokens that followed
+    the latest earlier occurrence of its last n tokens, for the largest n <= max_ngram that occurs."""
+    for n in range(min(max_ngram, len(history) - 1), 0, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(history[:-1], n)  # [L-n, n], starts 0..L-1-n
+        hits = np.flatnonzero((windows == history[-n:]).all(1))
+        if len(hits):
+            start = int(hits[-1]) + n  # the token after the match
+            return history[start : start + length].tolist()
+    return []
+
+
+def graft(tokens: list, parent: list, depth: list, chain: list[int]) -> dict:
+    """Append root -> chain[0] -> chain[1] ... to the tree lists (the root is node 0).
+    Returns {(parent, token): node} of the grafted nodes."""
+    index, prev = {}, 0
+    for d, tok in enumerate(chain, start=1):
+        node = len(tokens)
+        index[(prev, int(tok))] = node
+        tokens.append(int(tok))
+        parent.append(prev)
+        depth.append(d)
+        prev = node
+    return index
+
+
+def best_first(top_lp: np.ndarray, top_ids: np.ndarray, budget: int, lookup: list[int] = ()):
+    """top_lp, top_ids [D, K]: per depth, log-probs sorted descending and their tokens; `lookup`: a
+    chain grafted first (nodes 1..L) that best-first prefixes share where they coincide.
     Returns (tokens, parent, depth) for the root + up to `budget` nodes, in pop order."""
     n_depth, width = top_lp.shape
     tokens, parent, depth = [0], [-1], [0]
+    grafted = graft(tokens, parent, depth, list(lookup)[:budget])
     heap = [(-top_lp[0, 0], 0, 1, 0, 0, 0.0)]  # (-score, tiebreak, depth, rank, parent, parent score)
     count = 1
     while heap and len(tokens) <= budget:
         neg, _, d, r, par, par_score = heapq.heappop(heap)
-        node = len(tokens)
-        tokens.append(int(top_ids[d - 1, r]))
-        parent.append(par)
-        depth.append(d)
+        tok = int(top_ids[d - 1, r])
+        node = grafted.get((par, tok))
+        if node is None:  # a new node; else this prefix is a grafted node, shared
+            node = len(tokens)
+            tokens.append(tok)
+            parent.append(par)
+            depth.append(d)
         if r + 1 < width:  # next sibling
             heapq.heappush(heap, (-(par_score + top_lp[d - 1, r + 1]), count, d, r + 1, par, par_score))
             count += 1
@@ -59,8 +94,11 @@ def best_first(top_lp: np.ndarray, top_ids: np.ndarray, budget: int):
     return tokens, parent, depth
 
 
-def build_tree(draft_logits: Tensor | None, root: int, budget: int, chain: bool = False) -> Tree:
+def build_tree(draft_logits: Tensor | None, root: int, budget: int, chain: bool = False,
+               vocab: np.ndarray | None = None, lookup: list[int] = ()) -> Tree:
     """draft_logits [D, V] (depths 1..D) -> a Tree of exactly budget+1 rows (root included).
+    `vocab` [V] maps logit columns to token ids (a drafter's draft vocabulary); None: column = id.
+    `lookup`: a prompt-lookup chain after the root, grafted first (at most D and budget // 2 nodes).
 
     With `chain`, the tree is the top-1 path (budget is then at most D). With no draft logits
     the tree is the root alone (autoregression). Rows that a small vocabulary or depth cannot
@@ -71,7 +109,9 @@ def build_tree(draft_logits: Tensor | None, root: int, budget: int, chain: bool 
     lp = torch.log_softmax(draft_logits.float(), dim=-1).nan_to_num(nan=-1e30, neginf=-1e30)
     width = 1 if chain else min(budget, lp.shape[-1])
     top_lp, top_ids = torch.topk(lp, width, dim=-1)  # [D, K]
-    tokens, parent, depth = best_first(top_lp.numpy(), top_ids.numpy(), budget)
+    top_ids = top_ids.numpy() if vocab is None else vocab[top_ids.numpy()]
+    lookup = [] if chain else list(lookup)[: min(len(lp), budget // 2)]
+    tokens, parent, depth = best_first(top_lp.numpy(), top_ids, budget, lookup)
     tokens[0] = root
     size = min(budget, len(lp)) + 1 if chain else budget + 1
     return _pack(tokens, parent, depth, size)

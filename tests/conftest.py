@@ -68,3 +68,13 @@ class OracleDrafter:
             if self.decoy:  # a wrong token ranked above the right one: accepted paths leave rank 0
                 logits[d, (tok + 1) % self.vocab] = 30.5
         return logits
+
+
+def vocab_drafter(target, size: int, seed: int = 5, **kw):
+    """A random drafter whose draft vocabulary is `size` random token ids of the target's."""
+    import glance_rt
+
+    d = glance_rt.init_drafter(target, seed=seed, draft_vocab_size=size, **kw)
+    g = torch.Generator().manual_seed(seed)
+    d.draft_vocab.copy_(torch.randperm(target.vocab_size, generator=g)[:size].sort().values)
+    return d

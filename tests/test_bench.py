@@ -16,8 +16,8 @@ from tests.tiny_models import make_tiny
 ROWS = [{"id": "a", "kind": "chat", "prompt": "Tell me about rivers."},
         {"id": "b", "kind": "extraction", "prompt": "Copy exactly: red green blue."},
         {"id": "c", "kind": "chat", "prompt": "Say something kind."}]
-CFG = BenchConfig(methods=("ar", "chain", "tree-4", "tree-12", "adaptive", "hf", "hf-lookup"), max_new_tokens=12,
-                  warmup=1)
+CFG = BenchConfig(methods=("ar", "chain", "tree-4", "tree-12", "tree-12+lookup", "adaptive", "hf", "hf-lookup"),
+                  max_new_tokens=12, warmup=1)
 
 
 def quiet(_):
@@ -32,10 +32,11 @@ def report():
 
 def test_report_is_well_formed(report, tmp_path):
     assert report["schema"] == SCHEMA and not report["partial"] and report["mismatches"] == []
-    assert list(report["overall"]) == ["hf", "ar", "chain", "tree-4", "tree-12", "hf-lookup", "adaptive"]
+    assert list(report["overall"]) == ["hf", "ar", "chain", "tree-4", "tree-12", "tree-12+lookup", "hf-lookup",
+                                       "adaptive"]
     assert set(report["kinds"]) == {"chat", "extraction"}
-    assert len(report["records"]) == len(ROWS) * 7
-    assert {b["budget"] for b in report["adaptive_buckets"]} == {4, 12}
+    assert len(report["records"]) == len(ROWS) * 8
+    assert {b["budget"] for b in report["adaptive_buckets"]} == {4, 12}  # plain trees calibrate it
     assert report["overall"]["adaptive"]["mismatches"] == 0
     tree = report["overall"]["tree-12"]
     assert tree["prompts"] == 3 and tree["speedup_vs_ar"]["n"] == 3 and tree["speedup_vs_hf"]["n"] == 3
@@ -119,8 +120,8 @@ def test_compiled_and_engine_methods_are_compared_with_their_eager_method(tmp_pa
     drafter = glance_rt.init_drafter(target, block_size=4, seed=1)
     from glance_rt.export.onnx import export_model
 
-    cfg = BenchConfig(methods=("ar", "tree-4", "tree-4@compile", "adaptive@compile", "hf"), max_new_tokens=10,
-                      warmup=1)
+    cfg = BenchConfig(methods=("ar", "tree-4", "tree-4+lookup", "tree-4@compile", "adaptive@compile", "hf"),
+                      max_new_tokens=10, warmup=1, engine_lookup=True)
     encoded = [target.encode_chat(r["prompt"]) for r in ROWS]
     assert suite_max_length(encoded, cfg) % 64 == 0
     build_engine(target, drafter, tmp_path / "e", budgets=(4,), max_len=suite_max_length(encoded, cfg), chunk=16,
@@ -129,8 +130,9 @@ def test_compiled_and_engine_methods_are_compared_with_their_eager_method(tmp_pa
     cfg = BenchConfig(**{**cfg.__dict__, "engines": (str(tmp_path / "e"), str(tmp_path / "ar"))})
     rep = run_bench(target, drafter, ROWS, cfg, progress=False, log=quiet)  # the AR engine runs without the drafter
     assert rep["mismatches"] == [] and not rep["skipped"]
-    assert set(rep["overall"]) == {"hf", "ar", "ar@onnx:ar", "tree-4", "tree-4@compile", "tree-4@aoti:e",
-                                   "adaptive@compile"}
+    assert set(rep["overall"]) == {"hf", "ar", "ar@onnx:ar", "tree-4", "tree-4+lookup", "tree-4@compile",
+                                   "tree-4@aoti:e", "tree-4+lookup@aoti:e", "adaptive@compile"}
+    assert rep["overall"]["tree-4+lookup@aoti:e"]["speedup_vs_eager"]["n"] == len(ROWS)  # vs tree-4+lookup
     assert rep["overall"]["tree-4@compile"]["ar_method"] == "ar"  # the run has no ar@compile
     assert rep["overall"]["ar@onnx:ar"]["ar_method"] == "ar@onnx:ar"
     assert rep["overall"]["adaptive@compile"]["ar_method"] == "ar" and "Same-engine AR is" not in markdown(rep)

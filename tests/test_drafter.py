@@ -8,7 +8,7 @@ import torch
 import glance_rt
 from glance_rt import GlanceError
 from glance_rt.drafter import build_target_layer_ids, read_drafter
-from tests.conftest import tiny_target
+from tests.conftest import tiny_target, vocab_drafter
 from tests.tiny_models import make_inputs
 
 
@@ -97,3 +97,65 @@ def test_default_drafter_only_for_default_target():
     target, _, _ = tiny_target("llama")
     with pytest.raises(GlanceError, match="no drafter ships"):
         glance_rt.load_drafter(None, target)
+
+
+def test_draft_vocab_columns_are_the_full_heads_columns(tmp_path):
+    """With a draft vocabulary, column j of the draft logits is token vocab[j] of the same drafter's
+    full-vocabulary logits, and the tree is the one the full logits give outside-vocab tokens masked."""
+    from dataclasses import replace
+
+    from glance_rt.draft import DraftPass
+    from glance_rt.drafter import GlanceDrafter
+    from glance_rt.tree import build_tree
+
+    target, _, _ = tiny_target("qwen3")
+    sub = vocab_drafter(target, 37, num_layers=2, block_size=6)
+    full = GlanceDrafter(replace(sub.config, draft_vocab_size=None))
+    full.load_state_dict({k: v for k, v in sub.state_dict().items() if k != "draft_vocab"})
+    emb, head = target.parts.text_model.embed_tokens, target.parts.lm_head
+    feats = torch.randn(9, len(sub.target_layer_ids) * sub.config.hidden_size)
+    with torch.no_grad():
+        a = DraftPass(sub, emb, head, 64)(feats, 0, 11, 9)  # [B-1, Vd]
+        b = DraftPass(full, emb, head, 64)(feats, 0, 11, 9)  # [B-1, V]
+    vocab = sub.draft_vocab
+    assert a.shape == (5, 37)
+    torch.testing.assert_close(a, b[:, vocab], rtol=1e-5, atol=1e-5)
+    masked = torch.full_like(b, float("-inf"))
+    masked[:, vocab] = b[:, vocab]
+    for budget in (1, 8, 30):
+        t1 = build_tree(a, 11, budget, vocab=vocab.numpy())
+        t2 = build_tree(masked, 11, budget)
+        assert (t1.tokens == t2.tokens).all() and (t1.parent == t2.parent).all()
+        assert set(t1.tokens[1:].tolist()) <= set(vocab.tolist())
+    # the buffer survives a save (int64, not cast to the weights' dtype) and the config records it
+    sub.save(tmp_path / "d")
+    again = glance_rt.load_drafter(tmp_path / "d", target)
+    assert again.config.draft_vocab_size == 37 and torch.equal(again.draft_vocab, vocab)
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["glance"]["draft_vocab_size"] == 37
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_draft_vocab_drafter_is_lossless(arch):
+    from tests.conftest import hf_greedy
+
+    target, model, processor = tiny_target(arch)
+    inputs = make_inputs(arch, processor)
+    ref = hf_greedy(model, inputs, 20)
+    d = vocab_drafter(target, 25, block_size=5)
+    for kw in ({"tree_budget": 12}, {"chain": True}):
+        assert glance_rt.Decoder(target, d, **kw).generate(max_new_tokens=20, **inputs).token_ids == ref
+
+
+def test_bad_draft_vocab_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target, _, _ = tiny_target("llama")
+    d = vocab_drafter(target, 10)
+    d.save(tmp_path / "d")
+    state = load_file(tmp_path / "d" / "model.safetensors")
+    state["draft_vocab"] = state["draft_vocab"].flip(0)  # not sorted
+    save_file(state, tmp_path / "d" / "model.safetensors")
+    with pytest.raises(GlanceError, match="draft_vocab must hold sorted, distinct token ids"):
+        glance_rt.load_drafter(tmp_path / "d", target)
+    with pytest.raises(GlanceError, match="draft_vocab_size must be in"):
+        glance_rt.init_drafter(target, draft_vocab_size=target.vocab_size + 1)

@@ -11,7 +11,7 @@ from glance_rt.engines.engine import build_engine
 
 import glance_rt
 from glance_rt.cli import main
-from tests.conftest import hf_greedy, tiny_target
+from tests.conftest import hf_greedy, tiny_target, vocab_drafter
 from tests.test_cli import model_folder
 from tests.tiny_models import VLM_ARCHS, make_inputs
 
@@ -19,7 +19,8 @@ NEW = 20
 
 
 def drafter_for(target, seed=1):
-    return glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=seed)
+    """A drafter with a draft vocabulary: the draft package's head is the lm_head rows of its ids."""
+    return vocab_drafter(target, 40, seed=seed, num_layers=1, block_size=4)
 
 
 @pytest.fixture(scope="module")

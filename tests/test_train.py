@@ -13,7 +13,7 @@ import torch
 import glance_rt
 from glance_rt import GlanceError
 from glance_rt.draft import DraftPass
-from glance_rt.train import TrainConfig, block_forward, capture_features, train
+from glance_rt.train import TrainConfig, block_forward, capture_features, choose_draft_vocab, train
 from tests.conftest import extend_inputs, hf_greedy, tiny_target
 from tests.tiny_models import make_images, make_inputs, make_tiny
 
@@ -84,9 +84,11 @@ def test_training_pass_is_the_inference_pass(arch):
 
 def test_end_to_end_resume_and_reproducibility(tmp_path, monkeypatch):
     target, _, _ = tiny_target("llama")
-    cfg = small_cfg(tmp_path, "a")
+    cfg = small_cfg(tmp_path, "a", draft_vocab=40)
     drafter, result = train(target, cfg)
     out = tmp_path / "a"
+    assert drafter.config.draft_vocab_size == 40  # the 40 most frequent response tokens
+    assert torch.equal(drafter.draft_vocab, choose_draft_vocab(out, 1, 40, target.vocab_size))
     assert sorted(p.name for p in (out / "responses").iterdir()) == ["part-00000.jsonl"]
     assert (out / "features" / "part-00000.safetensors").exists()
     assert (out / "drafter" / "config.json").exists() and (out / "eval.json").exists()
@@ -217,3 +219,14 @@ def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatc
     monkeypatch.setattr(tm.torch, "save", real_save)
     train(target, replace(cfg, resume=True))
     assert (out / "drafter" / "model.safetensors").exists()
+
+
+def test_draft_vocab_is_the_most_frequent_response_tokens(tmp_path):
+    rows = [{"response_ids": [5, 5, 5, 9, 9, 2, 7]}, {"response_ids": [7, 9, 3, 3]}, {"response_ids": []}]
+    (tmp_path / "responses").mkdir()
+    (tmp_path / "responses" / "part-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # counts: 5:3, 9:3, 3:2, 7:2, 2:1; ties broken by the smaller id (3 before 7); returned sorted
+    assert choose_draft_vocab(tmp_path, 1, 3, 12).tolist() == [3, 5, 9]
+    assert choose_draft_vocab(tmp_path, 1, 5, 12).tolist() == [2, 3, 5, 7, 9]
+    assert choose_draft_vocab(tmp_path, 1, 7, 12).tolist() == [0, 1, 2, 3, 5, 7, 9]  # then unseen ids
+    assert choose_draft_vocab(tmp_path, 1, 12, 12) is None and choose_draft_vocab(tmp_path, 1, None, 12) is None

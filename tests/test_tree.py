@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from glance_rt.commit import accept, accept_path, apply_stops, committed_tokens
 from glance_rt.errors import GlanceError
-from glance_rt.tree import build_tree, check_budget
+from glance_rt.tree import build_tree, check_budget, prompt_lookup
 
 
 def target_next(prefix: tuple, vocab: int) -> int:
@@ -37,8 +37,8 @@ def row_prefix(tree, i):
     return tuple(reversed(toks))
 
 
-def one_round(prefix, bonus, draft_logits, budget, vocab, chain=False):
-    tree = build_tree(draft_logits, bonus, budget, chain)
+def one_round(prefix, bonus, draft_logits, budget, vocab, chain=False, lookup=()):
+    tree = build_tree(draft_logits, bonus, budget, chain, lookup=lookup)
     base = prefix + (bonus,)
     g = np.array([target_next(base + row_prefix(tree, i), vocab) for i in range(tree.size)])
     path = accept(tree, g)
@@ -68,6 +68,43 @@ def test_any_draft_commits_greedy(logits, budget, seed, chain):
     assert 1 <= len(run) <= draft.shape[0] + 1
     # static shape: always budget + 1 rows (chain: at most depth + 1)
     assert tree.size == (min(budget, draft.shape[0]) + 1 if chain else budget + 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(logits=logits_strategy, budget=st.integers(1, 40), seed=st.integers(0, 10_000), right=st.integers(0, 9))
+def test_lookup_chain_is_grafted_and_lossless(logits, budget, seed, right):
+    """A prompt-lookup chain (its first `right` tokens the greedy ones, then noise) is a path of the
+    tree from node 1, best-first shares it instead of repeating a prefix, depth stays <= D, and the
+    round still commits exactly the greedy tokens."""
+    draft = torch.tensor(logits)
+    depth, vocab = draft.shape
+    rng = np.random.default_rng(seed)
+    prefix = tuple(int(t) for t in rng.integers(0, vocab, size=3))
+    bonus = int(rng.integers(0, vocab))
+    want = greedy(prefix + (bonus,), 9, vocab)
+    chain = want[:right] + [int(t) for t in rng.integers(0, vocab, size=9 - right)]
+    tree, path, run = one_round(prefix, bonus, draft, budget, vocab, lookup=chain)
+    assert run == greedy(prefix + (bonus,), len(run), vocab)
+    assert tree.size == budget + 1 and tree.depth.max() <= depth
+    n = min(depth, budget // 2)
+    assert [int(t) for t in tree.tokens[1 : n + 1]] == chain[:n] and list(tree.parent[1 : n + 1]) == list(range(n))
+    real = [i for i in range(1, tree.size) if i == 1 or not (tree.tokens[i] == tree.tokens[1] and tree.parent[i] == 0)]
+    assert len({row_prefix(tree, i) for i in real}) == len(real)  # no prefix twice (padding aside)
+    assert len(path) - 1 >= min(right, n)  # the grafted greedy tokens are accepted
+
+
+@settings(max_examples=300, deadline=None)
+@given(hist=st.lists(st.integers(0, 4), min_size=1, max_size=30), ngram=st.integers(1, 4), length=st.integers(1, 6))
+def test_prompt_lookup_is_the_latest_longest_match(hist, ngram, length):
+    h = np.array(hist)
+    got = prompt_lookup(h, ngram, length)
+    want = []
+    for n in range(min(ngram, len(h) - 1), 0, -1):
+        starts = [i for i in range(len(h) - n) if list(h[i : i + n]) == list(h[-n:])]
+        if starts:
+            want = list(h[starts[-1] + n : starts[-1] + n + length])
+            break
+    assert got == want
 
 
 @settings(max_examples=200, deadline=None)
