@@ -61,7 +61,7 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(32,), cha
     if (out / "manifest.json").exists():
         raise GlanceError(f"{out} already holds an engine: pick another --out, or delete it to rebuild")
     dec = glance_rt.Decoder(target, drafter, tree_budget=max(budgets) or 1, chain=chain, max_length=max_len,
-                            chunk=chunk)
+                            chunk=chunk, prepack=False)  # the plain weights: they are what gets traced
     manifest = {"format": FORMAT, **config, "block_size": dec.drafter.block_size if drafter is not None else 1,
                 "source": source(target, drafter), "versions": versions(),
                 "target_source": None if target_source is None else str(target_source),
@@ -115,7 +115,7 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
         raise GlanceError(f"engine {path} has tree budgets {budgets}; {asked} asked. Pick among them or rebuild "
                           "with `glance-rt build-engine --tree-budget ...`")
     dec = cls(target, drafter, tree_budget=tree_budget, chain=m["chain"], max_length=m["max_len"], chunk=m["chunk"],
-              lookup=lookup)
+              lookup=lookup, prepack=False)
     dec.passes = dec.static_passes(lambda graphs: impl.runners(path, m, graphs), m["chunk"])
     if m.get("vision"):  # ONNX vision graphs, one per image bucket, replace the torch vision tower at prefill
         dec.prefill_inputs = impl.vision(path, m, target)

@@ -231,7 +231,7 @@ def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20
     if out.exists() and any(p.suffix not in (".onnx", ".data") for p in out.iterdir()):
         raise GlanceError(f"{out} is not empty and holds no unfinished export: pick an empty or new --out folder")
     dec = glance_rt.Decoder(target, drafter, tree_budget=max(budgets) or 1, chain=chain, max_length=max_len,
-                            chunk=chunk)
+                            chunk=chunk, prepack=False)  # the plain weights: they are what gets traced
     graphs = export_onnx(dec, out, budgets, chain, chunk, flavor, opset, progress)
     vision = {}
     if image_sizes:

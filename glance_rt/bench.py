@@ -101,14 +101,17 @@ def tree_method(method: str) -> tuple[int, bool] | None:
 
 
 def _glance_runner(target, drafter, cfg: BenchConfig, method: str, policy=None):
-    """Methods `ar`, `chain`, `tree-N`, `tree-N+lookup`, `adaptive`, each optionally `@compile`."""
+    """Methods `ar`, `chain`, `tree-N`, `tree-N+lookup`, `adaptive`, each optionally `@compile` or
+    `@plain` (eager with the HF modules' own linear layers instead of prepacked weights)."""
     from glance_rt.decoder import BACKENDS, Decoder
 
     base, _, backend = method.partition("@")
     backend = backend or "eager"
-    if backend not in BACKENDS:
-        raise GlanceError(f"unknown backend in method {method!r}: use {', '.join(BACKENDS)}")
+    if backend not in (*BACKENDS, "plain"):
+        raise GlanceError(f"unknown backend in method {method!r}: use {', '.join(BACKENDS)} or plain")
     kw = {"max_length": cfg.max_length, "backend": backend}
+    if backend == "plain":  # eager without prepacked weights (the HF modules' own linear)
+        kw = {"max_length": cfg.max_length, "backend": "eager", "prepack": False}
     tree = tree_method(method)
     if base == "ar":
         dec = Decoder(target, None, **kw)

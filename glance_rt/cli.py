@@ -226,8 +226,8 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, tr
 @click.option("--per-kind", default=4, show_default=True, type=int, help="At most N prompts of each kind.")
 @SUITE_IMAGES
 @click.option("--methods", default="ar,chain,tree-8,tree-16,tree-32,tree-64,adaptive,hf,hf-lookup", show_default=True,
-              help="Comma-separated: ar, chain, tree-N, tree-N+lookup, adaptive (each optionally @compile), hf, "
-                   "hf-lookup.")
+              help="Comma-separated: ar, chain, tree-N, tree-N+lookup, adaptive (each optionally @compile, or "
+                   "@plain: eager without prepacked weights), hf, hf-lookup.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--warmup", default=1, show_default=True, type=int, help="Prompts run untimed first.")
 @DTYPE

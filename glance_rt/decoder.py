@@ -80,10 +80,13 @@ class Decoder:
     `lookup` > 0 grafts a prompt-lookup chain into every tree: the tokens that followed the latest
     earlier occurrence of the context's last n-gram (n <= lookup), in the prompt or the output so far
     (at most B-1 tokens and half the budget; `glance_rt.tree.prompt_lookup`). 0: the drafter alone.
+
+    `prepack` (eager backend; default: on for fp32 on a CPU with oneDNN) runs the target's and the
+    drafter's linear layers through oneDNN-prepacked copies of their weights (`glance_rt.linear`).
     """
 
     def __init__(self, target, drafter=None, tree_budget=32, chain: bool = False, max_length: int = 2048,
-                 backend: str = "eager", chunk: int = 64, lookup: int = 0):
+                 backend: str = "eager", chunk: int = 64, lookup: int = 0, prepack: bool | None = None):
         from glance_rt.adaptive import AdaptiveBudget
         from glance_rt.draft import DraftPass
         from glance_rt.drafter import GlanceDrafter, check_compatible
@@ -107,19 +110,28 @@ class Decoder:
             raise GlanceError(f"lookup={lookup}: prompt lookup takes an n-gram size >= 1 and grafts onto a "
                               "drafter's tree (not a chain or autoregression); use lookup=0 there")
         self.lookup = lookup
+        from glance_rt.linear import can_pack
+
+        if prepack and backend != "eager":
+            raise GlanceError("prepack=True runs only in the eager backend (compilers and engines take the plain "
+                              "weights); leave prepack unset for other backends")
+        packable = backend == "eager" and can_pack(target.parts.lm_head.weight)
+        self.prepack = packable if prepack is None else bool(prepack) and packable
         self.target, self.chain, self.max_length = target, chain, max_length
         self.prefill_inputs = target.prefill_inputs  # inputs -> PrefillInputs (an engine may bring vision graphs)
         if isinstance(drafter, GlanceDrafter):
             check_compatible(drafter.config, target)
-            drafter = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, max_length)
+            drafter = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, max_length,
+                                pack_rows=drafter.config.block_size if self.prepack else 0)
         self.drafter = drafter
-        vocab = getattr(drafter, "vocab", None)  # draft-logit column -> token id, or None
+        vocab = getattr(drafter, "draft_vocab", None)  # draft-logit column -> token id, or None
         self.draft_vocab = None if vocab is None else vocab.cpu().numpy()
         if drafter is None:
             self.policy = None
         self.tree_budget = 0 if drafter is None else min(tree_budget, drafter.block_size - 1) if chain else tree_budget
         layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
-        self.verifier = TargetDecoder(target.parts, max_length, layers)
+        self.verifier = TargetDecoder(target.parts, max_length, layers,
+                                      pack_rows=self.tree_budget + 1 if self.prepack else 0)
         self.mrope = bool(target.parts.mrope)
         self.eos_ids = frozenset(target.eos_token_ids)
         self.backend = backend

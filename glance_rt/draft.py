@@ -10,51 +10,54 @@ static backends run it with the context padded to B rows (padding lands on the b
 the block then overwrites) and attention over all `max_len` cache rows.
 """
 
+import copy
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glance_rt.attention import tree_attention
 from glance_rt.drafter import GlanceDrafter, inv_freq, layer_kv, layer_out, layer_qkv, rope_tables
 from glance_rt.kv_cache import KVCache
+from glance_rt.linear import pack_module, packed
 from glance_rt.model import apply_rope
 
 
 class DraftPass(nn.Module):
     """Runs a `GlanceDrafter` against a target's shared embeddings and lm_head, with a static
     context cache of `max_len` rows. Call: `(ctx_feats [m, F], ctx_start, bonus, block_start)`
-    -> draft logits [B-1, V] for depths 1..B-1 (column j is token `vocab[j]` when the drafter has a
-    draft vocabulary, else token j). Requires `ctx_start + m == block_start`."""
+    -> draft logits [B-1, V] for depths 1..B-1 (column j is token `draft_vocab[j]` when the drafter
+    has a draft vocabulary, else token j). Requires `ctx_start + m == block_start`."""
 
-    def __init__(self, drafter: GlanceDrafter, embed_tokens: nn.Module, lm_head: nn.Module, max_len: int):
+    def __init__(self, drafter: GlanceDrafter, embed_tokens: nn.Module, lm_head: nn.Module, max_len: int,
+                 pack_rows: int = 0):
         super().__init__()
         c = drafter.config
+        if pack_rows:  # a copy whose linear layers run through oneDNN-prepacked weights (glance_rt.linear)
+            drafter = pack_module(copy.deepcopy(drafter), pack_rows)
         self.drafter, self.embed_tokens, self.lm_head = drafter, embed_tokens, lm_head
         self.block_size = c.block_size
         self.target_layer_ids = c.target_layer_ids
-        w = drafter.fc.weight
+        w = drafter.hidden_norm.weight  # (fc may be prepacked: no .weight)
         self.cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
         self.register_buffer("inv_freq", inv_freq(c).to(w.device), persistent=False)
         ids = torch.full((c.block_size,), c.mask_token_id if c.mask_token_id is not None else 0)
         self.register_buffer("block_ids", ids.to(w.device), persistent=False)
         self.register_buffer("block_mask", torch.ones(c.block_size, c.block_size, dtype=torch.bool, device=w.device),
                              persistent=False)
-        if c.draft_vocab_size is not None:  # the lm_head rows of the draft vocabulary, gathered once
-            head = lm_head.weight.detach()[drafter.draft_vocab]  # [Vd, H]
-            self.register_buffer("head_weight", head.contiguous(), persistent=False)
+        self.sub_head = None  # the lm_head rows of the draft vocabulary, gathered once
+        if c.draft_vocab_size is not None:
             bias = getattr(lm_head, "bias", None)
-            bias = None if bias is None else bias.detach()[drafter.draft_vocab]
-            self.register_buffer("head_bias", bias, persistent=False)
+            self.sub_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=bias is not None,
+                                      device=w.device, dtype=lm_head.weight.dtype).requires_grad_(False)
+            self.sub_head.weight.copy_(lm_head.weight.detach()[drafter.draft_vocab])  # [Vd, H]
+            if bias is not None:
+                self.sub_head.bias.copy_(bias.detach()[drafter.draft_vocab])
+        self.head = packed(lm_head if self.sub_head is None else self.sub_head, pack_rows, pack_rows > 0)
 
     @property
-    def vocab(self) -> Tensor | None:
+    def draft_vocab(self) -> Tensor | None:
         """[Vd] the token id of each draft-logit column, or None (column j is token j)."""
         return getattr(self.drafter, "draft_vocab", None)
-
-    def head(self, h: Tensor) -> Tensor:
-        if self.vocab is None:
-            return self.lm_head(h)
-        return F.linear(h, self.head_weight, self.head_bias)
 
     def block_embeds(self, bonus: Tensor) -> Tensor:
         x = self.embed_tokens(torch.cat([bonus.view(1), self.block_ids[1:]]))[None]  # [1, B, H]
@@ -66,7 +69,7 @@ class DraftPass(nn.Module):
         """Project context rows ctx_feats [m, F] (target features) into every layer's cache rows
         [ctx_start, ctx_start + m)."""
         d = self.drafter
-        ctx = d.hidden_norm(d.fc(ctx_feats.to(d.fc.weight.dtype)))[None]  # [1, m, H]
+        ctx = d.hidden_norm(d.fc(ctx_feats.to(d.hidden_norm.weight.dtype)))[None]  # [1, m, H]
         rows = ctx_start + torch.arange(ctx.shape[1], device=ctx.device)  # [m]
         cos, sin = rope_tables(self.inv_freq, rows, ctx.dtype)  # [1, m, D]
         for i, layer in enumerate(d.layers):

@@ -1,0 +1,52 @@
+"""Prepacked linear layers for the eager CPU passes.
+
+On x86 CPUs the passes are GEMMs of a few rows (a tree of 17-33 rows, a draft block of 8) against
+the weights. PyTorch's CPU `linear` calls MKL, whose fp32 GEMM for such shapes is slow on CPUs
+other than Intel's (on this machine's AMD EPYC, 1.5x slower than oneDNN for a verify layer's
+projections and 2.7x for a draft head; README). `PackedLinear` reorders the weight once into
+oneDNN's blocked layout (`mkldnn._reorder_linear_weight`) and runs `mkldnn._linear_pointwise`:
+the same product, other summation order (fp32 rounding, like any other kernel).
+
+Only the eager backend packs (the weight copy is an opaque oneDNN tensor that compilers and
+exporters cannot take); the HF modules themselves are never touched.
+"""
+
+import torch
+from torch import Tensor, nn
+
+
+def can_pack(weight: Tensor) -> bool:
+    """oneDNN prepacking applies to fp32 weights on a CPU with oneDNN (mkldnn) enabled."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.enabled
+            and torch.backends.mkldnn.is_available())
+
+
+class PackedLinear(nn.Module):
+    """`linear(x)` with the weight [out, in] reordered once for oneDNN; x [..., in] -> [..., out]."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, rows: int):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def packed(linear: nn.Module, rows: int, enabled: bool) -> nn.Module:
+    """A PackedLinear of an `nn.Linear` when `enabled` and packable, else the module itself."""
+    if enabled and isinstance(linear, nn.Linear) and can_pack(linear.weight):
+        return PackedLinear(linear.weight, linear.bias, rows)
+    return linear
+
+
+def pack_module(module: nn.Module, rows: int) -> nn.Module:
+    """Replace every nn.Linear inside `module` (in place) by its PackedLinear; returns `module`."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, packed(child, rows, True))
+        else:
+            pack_module(child, rows)
+    return module
