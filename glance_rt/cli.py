@@ -64,10 +64,11 @@ def _load(target_path, drafter_path, dtype, device):
 @click.option("--image", "images", type=click.Path(), multiple=True, help="Image file (repeatable).")
 @click.option("--prompt", required=True, help="The user message.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
-@click.option("--tree-budget", default=32, show_default=True, type=int, help="Draft nodes verified per round.")
+@click.option("--tree-budget", default=16, show_default=True, type=int, help="Draft nodes verified per round.")
 @click.option("--chain", is_flag=True, help="Verify a width-1 chain (DFlash-style) instead of a tree.")
-@click.option("--lookup", default=0, show_default=True, type=int,
-              help="Graft a prompt-lookup chain (n-grams up to N) into each tree; 0: the drafter alone.")
+@click.option("--lookup", default=3, show_default=True, type=int,
+              help="Graft a prompt-lookup chain (n-grams up to N) into each tree; 0: the drafter alone. "
+                   "Not used for chains or autoregression.")
 @click.option("--max-length", default=2048, show_default=True, type=int, help="Static cache rows.")
 @DTYPE
 @DEVICE
@@ -88,7 +89,7 @@ def generate(target_path, drafter_path, images, prompt, max_new_tokens, tree_bud
         else:
             target, drafter = _load(target_path, drafter_path, dtype, device)
             dec = Decoder(target, drafter, tree_budget=tree_budget, chain=chain, max_length=max_length,
-                          backend=backend, lookup=lookup)
+                          backend=backend, lookup=0 if drafter is None or chain else lookup)
         pil = [_open_image(p) for p in images]
         inputs = target.encode_chat(prompt, pil)
         start = time.perf_counter()
@@ -272,6 +273,8 @@ def _engine_decoder(engine_dir, target_path, drafter_path, lookup: int = 0):
                                        device=m["source"]["device"])
     if drafter_path is not None:
         drafter = glance_rt.load_drafter(drafter_path, target)
+    if m["chain"] or m["source"]["drafter_weights"] is None:  # lookup grafts onto trees only
+        lookup = 0
     return glance_rt.Decoder.from_engine(engine_dir, target, drafter, lookup=lookup)
 
 

@@ -7,8 +7,9 @@ projections and 2.7x for a draft head; README). `PackedLinear` reorders the weig
 oneDNN's blocked layout (`mkldnn._reorder_linear_weight`) and runs `mkldnn._linear_pointwise`:
 the same product, other summation order (fp32 rounding, like any other kernel).
 
-Only the eager backend packs (the weight copy is an opaque oneDNN tensor that compilers and
-exporters cannot take); the HF modules themselves are never touched.
+Only the eager backend packs: Inductor lowers `_linear_pointwise` only for weights it has frozen
+into constants itself, and exported engines are traced from the plain weights. The HF modules are
+never touched.
 """
 
 import torch

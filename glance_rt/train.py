@@ -527,9 +527,10 @@ def stage_train(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world
 # ----------------------------------------------------------------------------- 4. evaluation
 
 
-def evaluate_tau(target, drafter, rows: list[dict], cfg: TrainConfig, per_kind: int, quiet: bool = False) -> dict:
+def evaluate_tau(target, drafter, rows: list[dict], cfg: TrainConfig, per_kind: int, quiet: bool = False,
+                 lookup: int = 0) -> dict:
     """Mean accepted length (tokens committed per round) on held-out prompts, per kind, with the
-    real decoder and the given tree budget."""
+    real decoder and the given tree budget (`lookup` > 0: with prompt-lookup chains grafted in)."""
     import copy
 
     from glance_rt.decoder import Decoder
@@ -539,7 +540,7 @@ def evaluate_tau(target, drafter, rows: list[dict], cfg: TrainConfig, per_kind: 
     for r in rows:
         if r["split"] == "heldout" and len(held.setdefault(r["kind"], [])) < per_kind:
             held[r["kind"]].append(r)
-    dec = Decoder(target, drafter, tree_budget=cfg.eval_budget, max_length=4096)
+    dec = Decoder(target, drafter, tree_budget=cfg.eval_budget, max_length=4096, lookup=lookup)
     kinds, all_lens = {}, []
     bar = _bar(sum(len(v) for v in held.values()), "eval", 0 if not quiet else 1)
     for kind, items in held.items():
@@ -552,7 +553,7 @@ def evaluate_tau(target, drafter, rows: list[dict], cfg: TrainConfig, per_kind: 
         all_lens += lens
     bar.close()
     return {"overall": {"tau": sum(all_lens) / max(len(all_lens), 1), "rounds": len(all_lens)},
-            "kinds": kinds, "tree_budget": cfg.eval_budget, "max_new_tokens": cfg.eval_tokens}
+            "kinds": kinds, "tree_budget": cfg.eval_budget, "max_new_tokens": cfg.eval_tokens, "lookup": lookup}
 
 
 # ----------------------------------------------------------------------------- the whole job

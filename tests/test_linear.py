@@ -42,6 +42,9 @@ def test_decoder_prepacks_only_where_it_applies():
     assert isinstance(target.parts.text_model.layers[0].self_attn.q_proj, nn.Linear)  # HF modules untouched
     assert not glance_rt.Decoder(target, d, tree_budget=6, prepack=False).prepack
     assert not glance_rt.Decoder(target, d, tree_budget=6, backend="compile").prepack
-    with pytest.raises(GlanceError, match="eager"):
+    with pytest.raises(GlanceError, match="prepack=True needs the eager backend"):
         glance_rt.Decoder(target, d, backend="compile", prepack=True)
     assert not can_pack(torch.zeros(1, dtype=torch.bfloat16))  # fp32 only (bf16 targets keep nn.Linear)
+    bf16 = type("T", (), {"parts": type("P", (), {"lm_head": nn.Linear(2, 2).bfloat16()})})()
+    with pytest.raises(GlanceError, match="prepack=True needs the eager backend and fp32"):
+        glance_rt.Decoder(bf16, None, prepack=True)
