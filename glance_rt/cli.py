@@ -64,7 +64,7 @@ def _load(target_path, drafter_path, dtype, device):
 @click.option("--image", "images", type=click.Path(), multiple=True, help="Image file (repeatable).")
 @click.option("--prompt", required=True, help="The user message.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
-@click.option("--tree-budget", default=16, show_default=True, type=int, help="Draft nodes verified per round.")
+@click.option("--tree-budget", default=8, show_default=True, type=int, help="Draft nodes verified per round.")
 @click.option("--chain", is_flag=True, help="Verify a width-1 chain (DFlash-style) instead of a tree.")
 @click.option("--lookup", default=3, show_default=True, type=int,
               help="Graft a prompt-lookup chain (n-grams up to N) into each tree; 0: the drafter alone. "
