@@ -111,7 +111,7 @@ def _glance_runner(target, drafter, cfg: BenchConfig, method: str, policy=None):
         raise GlanceError(f"unknown backend in method {method!r}: use {', '.join(BACKENDS)} or plain")
     kw = {"max_length": cfg.max_length, "backend": backend}
     if backend == "plain":  # eager without prepacked weights (the HF modules' own linear)
-        kw = {"max_length": cfg.max_length, "backend": "eager", "prepack": False}
+        kw.update(backend="eager", prepack=False)
     tree = tree_method(method)
     if base == "ar":
         dec = Decoder(target, None, **kw)

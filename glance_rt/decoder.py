@@ -81,9 +81,9 @@ class Decoder:
     earlier occurrence of the context's last n-gram (n <= lookup), in the prompt or the output so far
     (at most B-1 tokens and half the budget; `glance_rt.tree.prompt_lookup`). 0: the drafter alone.
 
-    `prepack` (default: on for the eager backend, fp32, on a CPU with oneDNN) runs the target's and the drafter's linear
-    layers through oneDNN-prepacked copies of their weights (`glance_rt.linear`). Eager only: the
-    compiled backend and engines take the plain weights.
+    `prepack` (default: on for the eager backend, fp32, on a CPU with oneDNN) runs the target's and
+    the drafter's linear layers through oneDNN-prepacked copies of their weights (`glance_rt.linear`).
+    Eager only: the compiled backend and engines take the plain weights.
     """
 
     def __init__(self, target, drafter=None, tree_budget=32, chain: bool = False, max_length: int = 2048,

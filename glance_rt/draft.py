@@ -52,7 +52,7 @@ class DraftPass(nn.Module):
             self.sub_head.weight.copy_(lm_head.weight.detach()[drafter.draft_vocab])  # [Vd, H]
             if bias is not None:
                 self.sub_head.bias.copy_(bias.detach()[drafter.draft_vocab])
-        self.head = packed(lm_head if self.sub_head is None else self.sub_head, pack_rows, pack_rows > 0)
+        self.head = packed(lm_head if self.sub_head is None else self.sub_head, pack_rows)
 
     @property
     def draft_vocab(self) -> Tensor | None:

@@ -36,9 +36,10 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def packed(linear: nn.Module, rows: int, enabled: bool) -> nn.Module:
-    """A PackedLinear of an `nn.Linear` when `enabled` and packable, else the module itself."""
-    if enabled and isinstance(linear, nn.Linear) and can_pack(linear.weight):
+def packed(linear: nn.Module, rows: int) -> nn.Module:
+    """A PackedLinear of an `nn.Linear` laid out for `rows` rows when packable; the module itself
+    when rows is 0 (packing off) or it cannot be packed."""
+    if rows > 0 and isinstance(linear, nn.Linear) and can_pack(linear.weight):
         return PackedLinear(linear.weight, linear.bias, rows)
     return linear
 
@@ -47,7 +48,7 @@ def pack_module(module: nn.Module, rows: int) -> nn.Module:
     """Replace every nn.Linear inside `module` (in place) by its PackedLinear; returns `module`."""
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, packed(child, rows, True))
+            setattr(module, name, packed(child, rows))
         else:
             pack_module(child, rows)
     return module

@@ -29,7 +29,7 @@ class Attention(nn.Module):
     def __init__(self, hf_attn: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, pack_rows: int = 0):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            packed(getattr(hf_attn, n), pack_rows, pack_rows > 0) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            packed(getattr(hf_attn, n), pack_rows) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
         self.q_norm = getattr(hf_attn, "q_norm", None)  # Qwen3: RMSNorm over head_dim
         self.k_norm = getattr(hf_attn, "k_norm", None)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
@@ -56,7 +56,7 @@ class MLP(nn.Module):
     def __init__(self, hf_mlp: nn.Module, pack_rows: int):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = (
-            packed(getattr(hf_mlp, n), pack_rows, True) for n in ("gate_proj", "up_proj", "down_proj"))
+            packed(getattr(hf_mlp, n), pack_rows) for n in ("gate_proj", "up_proj", "down_proj"))
         self.act_fn = hf_mlp.act_fn
 
     def forward(self, x: Tensor) -> Tensor:
@@ -100,7 +100,7 @@ class TargetDecoder(nn.Module):
         self.layers = nn.ModuleList(Block(layer, n_heads, n_kv, head_dim, pack_rows) for layer in tm.layers)
         self.norm = tm.norm
         self.rotary_emb = tm.rotary_emb
-        self.lm_head = packed(parts.lm_head, pack_rows, pack_rows > 0)
+        self.lm_head = packed(parts.lm_head, pack_rows)
         self.feature_layers = tuple(feature_layers)
         w = self.embed_tokens.weight
         self.cache = KVCache(len(self.layers), n_kv, max_len, head_dim, w.dtype, w.device)

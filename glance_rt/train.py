@@ -372,13 +372,12 @@ def choose_draft_vocab(out: Path, n_parts: int, size: int | None, vocab_size: in
     that would be the whole vocabulary."""
     if size is None or size >= vocab_size:
         return None
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for i in range(n_parts):
-        for line in (out / "responses" / f"part-{i:05d}.jsonl").read_text().splitlines():
-            ids = json.loads(line)["response_ids"] if line else []
-            counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)
-    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))  # deterministic ranking
-    return torch.tensor(sorted(order[:size]))
+    ids = [t for i in range(n_parts)
+           for line in (out / "responses" / f"part-{i:05d}.jsonl").read_text().splitlines() if line
+           for t in json.loads(line)["response_ids"]]
+    counts = torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)  # [V]
+    order = torch.sort(-counts, stable=True).indices  # most frequent first, ties by the smaller id
+    return order[:size].sort().values
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
