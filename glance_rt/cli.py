@@ -132,7 +132,9 @@ def generate(target_path, drafter_path, images, prompt, max_new_tokens, tree_bud
 @click.option("--save-every", default=100, show_default=True, type=int)
 @click.option("--eval-every", default=0, show_default=True, type=int)
 @click.option("--eval-per-kind", default=8, show_default=True, type=int)
-@click.option("--eval-budget", default=32, show_default=True, type=int)
+@click.option("--eval-budget", default=8, show_default=True, type=int, help="Tree budget of the held-out eval.")
+@click.option("--eval-lookup", default=3, show_default=True, type=int,
+              help="Prompt-lookup n-gram of the held-out eval (0: the drafter alone).")
 @click.option("--limit", default=None, type=int, help="Use only the first N prompts (smoke runs).")
 @click.option("--per-kind", default=None, type=int, help="Train on at most N prompts of each kind.")
 @click.option("--no-bf16", is_flag=True, help="Train in fp32 (default: bf16 autocast and a bf16 lm_head copy).")
@@ -141,7 +143,7 @@ def generate(target_path, drafter_path, images, prompt, max_new_tokens, tree_bud
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its last complete stage/checkpoint.")
 def train(target_path, prompts, images, out, num_layers, block_size, target_layer_ids, response_tokens,
           response_batch, steps, batch_size, blocks_per_seq, lr, gamma, seed, save_every, eval_every,
-          eval_per_kind, eval_budget, limit, per_kind, no_bf16, draft_vocab, resume):
+          eval_per_kind, eval_budget, eval_lookup, limit, per_kind, no_bf16, draft_vocab, resume):
     """Train a GLANCE drafter for a target by self-distillation (resumable; torchrun for data parallel)."""
     try:
         import glance_rt
@@ -153,15 +155,16 @@ def train(target_path, prompts, images, out, num_layers, block_size, target_laye
                           target_layer_ids=ids, response_tokens=response_tokens, response_batch=response_batch,
                           steps=steps, batch_size=batch_size, blocks_per_seq=blocks_per_seq, lr=lr, gamma=gamma,
                           seed=seed, save_every=save_every, eval_every=eval_every, eval_per_kind=eval_per_kind,
-                          eval_budget=eval_budget, limit=limit, per_kind=per_kind, bf16=not no_bf16,
-                          draft_vocab=draft_vocab or None, resume=resume)
+                          eval_budget=eval_budget, eval_lookup=eval_lookup, limit=limit, per_kind=per_kind,
+                          bf16=not no_bf16, draft_vocab=draft_vocab or None, resume=resume)
         target = glance_rt.load_target(target_path)
         _, result = run_training(target, cfg)
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     if result is not None:
         click.echo(f"drafter: {out}/drafter")
-        click.echo(f"tau (held-out, tree budget {result['tree_budget']}): overall {result['overall']['tau']:.2f}; "
+        click.echo(f"tau (held-out, tree budget {result['tree_budget']}, lookup {result['lookup']}): "
+                   f"overall {result['overall']['tau']:.2f}; "
                    + ", ".join(f"{k} {v['tau']:.2f}" for k, v in result["kinds"].items()))
 
 

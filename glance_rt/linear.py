@@ -7,10 +7,13 @@ projections and 2.7x for a draft head; README). `PackedLinear` reorders the weig
 oneDNN's blocked layout (`mkldnn._reorder_linear_weight`) and runs `mkldnn._linear_pointwise`:
 the same product, other summation order (fp32 rounding, like any other kernel).
 
-Only the eager backend packs: Inductor lowers `_linear_pointwise` only for weights it has frozen
+Only the eager backend packs (and training's response and feature stages, for the duration of the
+stage: `packed_linears`): Inductor lowers `_linear_pointwise` only for weights it has frozen
 into constants itself, and exported engines are traced from the plain weights. The HF modules are
-never touched.
+never left changed.
 """
+
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -44,11 +47,32 @@ def packed(linear: nn.Module, rows: int) -> nn.Module:
     return linear
 
 
+def _swap_linears(module: nn.Module, rows: int) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Replace every packable nn.Linear inside `module` (in place) by its PackedLinear; returns
+    (parent, name, original) for each replacement."""
+    swaps = []
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and (new := packed(child, rows)) is not child:
+                setattr(parent, name, new)
+                swaps.append((parent, name, child))
+    return swaps
+
+
 def pack_module(module: nn.Module, rows: int) -> nn.Module:
     """Replace every nn.Linear inside `module` (in place) by its PackedLinear; returns `module`."""
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(module, name, packed(child, rows))
-        else:
-            pack_module(child, rows)
+    _swap_linears(module, rows)
     return module
+
+
+@contextmanager
+def packed_linears(module: nn.Module, rows: int):
+    """Run `module` with prepacked linears for the duration of the block; the original nn.Linear
+    modules are put back on exit, even on error (training's response and feature stages pack the
+    HF model this way: same products, the oneDNN kernels)."""
+    swaps = _swap_linears(module, rows)
+    try:
+        yield module
+    finally:
+        for parent, name, child in reversed(swaps):
+            setattr(parent, name, child)

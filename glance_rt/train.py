@@ -24,8 +24,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from glance_rt.errors import GlanceError
+from glance_rt.linear import packed_linears
 
 PART_SIZE = 64  # prompts per response/feature part file
+PACK_ROWS = 32  # row hint of the oneDNN weight layout in the response and feature stages (any row count runs)
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,8 @@ class TrainConfig:
     save_every: int = 100
     eval_every: int = 0  # 0: evaluate at the end only
     eval_per_kind: int = 8
-    eval_budget: int = 32
+    eval_budget: int = 8  # `glance-rt generate`'s defaults: tree budget 8 with lookup chains of n-grams up to 3
+    eval_lookup: int = 3
     eval_tokens: int = 128
     limit: int | None = None  # use only the first N prompts (smoke runs)
     per_kind: int | None = None  # train on at most N prompts of each kind (held-out prompts are never trained on)
@@ -212,13 +215,14 @@ def stage_responses(target, rows: list[dict], cfg: TrainConfig, out: Path, rank:
     parts = _parts(rows)
     done = sum((out / "responses" / f"part-{i:05d}.jsonl").exists() for i in range(len(parts)))
     bar = _bar(len(rows), "responses", rank, initial=min(done * PART_SIZE, len(rows)))
-    for i in range(rank, len(parts), world):
-        path = out / "responses" / f"part-{i:05d}.jsonl"
-        if path.exists():
-            continue
-        result = _generate_batch(target, parts[i], cfg)
-        atomic_write(path, lambda p, r=result: p.write_text("".join(json.dumps(x) + "\n" for x in r)))
-        bar.update(len(parts[i]) * world)
+    with packed_linears(target.hf_model, PACK_ROWS):
+        for i in range(rank, len(parts), world):
+            path = out / "responses" / f"part-{i:05d}.jsonl"
+            if path.exists():
+                continue
+            result = _generate_batch(target, parts[i], cfg)
+            atomic_write(path, lambda p, r=result: p.write_text("".join(json.dumps(x) + "\n" for x in r)))
+            bar.update(len(parts[i]) * world)
     bar.close()
     _barrier(world)
 
@@ -259,34 +263,39 @@ def capture_features(target, inputs: dict, layer_ids: tuple[int, ...]) -> Tensor
 
 
 def stage_features(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world: int, n_parts: int) -> None:
+    done = sum((out / "features" / f"part-{i:05d}.safetensors").exists() for i in range(n_parts))
+    bar = _bar(n_parts, "features", rank, initial=done)
+    with packed_linears(target.hf_model, PACK_ROWS):
+        for i in range(rank, n_parts, world):
+            path = out / "features" / f"part-{i:05d}.safetensors"
+            if not path.exists():
+                _write_features(target, cfg, out / "responses" / f"part-{i:05d}.jsonl", path, layer_ids)
+                bar.update(world)
+    bar.close()
+    _barrier(world)
+
+
+def _write_features(target, cfg: TrainConfig, responses: Path, path: Path, layer_ids) -> None:
+    """One part: a full-sequence forward per response, its layers' states as bf16 safetensors."""
     from safetensors.torch import save_file
 
     from glance_rt.arch import extend_inputs
 
-    done = sum((out / "features" / f"part-{i:05d}.safetensors").exists() for i in range(n_parts))
-    bar = _bar(n_parts, "features", rank, initial=done)
-    for i in range(rank, n_parts, world):
-        path = out / "features" / f"part-{i:05d}.safetensors"
-        if path.exists():
+    rows = [json.loads(x) for x in responses.read_text().splitlines() if x]
+    tensors, meta = {}, []
+    for j, r in enumerate(rows):
+        inputs = target.encode_chat(r["prompt"], open_images(r, cfg.images))
+        resp = r["response_ids"][: max(cfg.max_seq_len - len(r["prompt_ids"]), 0)]
+        if len(resp) < 2:
             continue
-        rows = [json.loads(x) for x in (out / "responses" / f"part-{i:05d}.jsonl").read_text().splitlines() if x]
-        tensors, meta = {}, []
-        for j, r in enumerate(rows):
-            inputs = target.encode_chat(r["prompt"], open_images(r, cfg.images))
-            resp = r["response_ids"][: max(cfg.max_seq_len - len(r["prompt_ids"]), 0)]
-            if len(resp) < 2:
-                continue
-            feats = capture_features(target, extend_inputs(inputs, resp), layer_ids)
-            ids = torch.tensor(r["prompt_ids"] + resp)
-            assert feats.shape[0] == len(ids), "features must cover every row"
-            tensors[f"{j}.features"] = feats.to(torch.bfloat16).contiguous()
-            tensors[f"{j}.ids"] = ids
-            meta.append({"key": str(j), "id": r["id"], "kind": r["kind"], "split": r["split"],
-                         "prompt_len": len(r["prompt_ids"])})
-        atomic_write(path, lambda p, t=tensors, m=meta: save_file(t, p, metadata={"rows": json.dumps(m)}))
-        bar.update(world)
-    bar.close()
-    _barrier(world)
+        feats = capture_features(target, extend_inputs(inputs, resp), layer_ids)
+        ids = torch.tensor(r["prompt_ids"] + resp)
+        assert feats.shape[0] == len(ids), "features must cover every row"
+        tensors[f"{j}.features"] = feats.to(torch.bfloat16).contiguous()
+        tensors[f"{j}.ids"] = ids
+        meta.append({"key": str(j), "id": r["id"], "kind": r["kind"], "split": r["split"],
+                     "prompt_len": len(r["prompt_ids"])})
+    atomic_write(path, lambda p: save_file(tensors, p, metadata={"rows": json.dumps(meta)}))
 
 
 @dataclass
@@ -580,7 +589,7 @@ def train(target, cfg: TrainConfig):
     stage_features(target, cfg, out, layer_ids, rank, world, n_parts)
 
     def evaluate(drafter, per_kind=cfg.eval_per_kind, quiet=False):
-        return evaluate_tau(target, drafter, rows, cfg, per_kind, quiet)
+        return evaluate_tau(target, drafter, rows, cfg, per_kind, quiet, lookup=cfg.eval_lookup)
 
     drafter = stage_train(target, cfg, out, layer_ids, rank, world, n_parts, evaluate)
     result = None
