@@ -81,9 +81,9 @@ class Decoder:
     earlier occurrence of the context's last n-gram (n <= lookup), in the prompt or the output so far
     (at most B-1 tokens and half the budget; `glance_rt.tree.prompt_lookup`). 0: the drafter alone.
 
-    `prepack` (default: on for the eager backend, fp32, on a CPU with oneDNN) runs the target's and
-    the drafter's linear layers through oneDNN-prepacked copies of their weights (`glance_rt.linear`).
-    Eager only: the compiled backend and engines take the plain weights.
+    `prepack` (default: on for fp32 weights on a CPU with oneDNN) runs the target's and the
+    drafter's linear layers through oneDNN-prepacked copies of their weights, eager and compiled
+    alike (`glance_rt.linear`); engines are built from the plain weights.
     """
 
     def __init__(self, target, drafter=None, tree_budget=32, chain: bool = False, max_length: int = 2048,
@@ -114,10 +114,10 @@ class Decoder:
         from glance_rt.linear import can_pack
 
         packable = can_pack(target.parts.lm_head.weight)
-        if prepack and not (packable and backend == "eager"):
-            raise GlanceError("prepack=True needs the eager backend and fp32 weights on a CPU with oneDNN (mkldnn); "
+        if prepack and not packable:
+            raise GlanceError("prepack=True needs fp32 weights on a CPU with oneDNN (mkldnn); "
                               "leave it unset to prepack wherever it applies")
-        self.prepack = packable and backend == "eager" if prepack is None else bool(prepack)
+        self.prepack = packable if prepack is None else bool(prepack)
         self.target, self.chain, self.max_length = target, chain, max_length
         self.prefill_inputs = target.prefill_inputs  # inputs -> PrefillInputs (an engine may bring vision graphs)
         if isinstance(drafter, GlanceDrafter):

@@ -1,4 +1,4 @@
-"""Prepacked linear layers for the eager CPU passes.
+"""Prepacked linear layers for the eager and compiled CPU passes.
 
 On x86 CPUs the passes are GEMMs of a few rows (a tree of 17-33 rows, a draft block of 8) against
 the weights. PyTorch's CPU `linear` calls MKL, whose fp32 GEMM for such shapes is slow on CPUs
@@ -7,16 +7,20 @@ projections and 2.7x for a draft head; README). `PackedLinear` reorders the weig
 oneDNN's blocked layout (`mkldnn._reorder_linear_weight`) and runs `mkldnn._linear_pointwise`:
 the same product, other summation order (fp32 rounding, like any other kernel).
 
-Only the eager backend packs (and training's response and feature stages, for the duration of the
-stage: `packed_linears`): Inductor lowers `_linear_pointwise` only for weights it has frozen
-into constants itself, and exported engines are traced from the plain weights. The HF modules are
-never left changed.
+The product is one named op, `glance::packed_linear`, whose packed weight is an opaque object
+(`PackedWeight`): torch.compile keeps it as one extern call and fuses everything around it, so the
+compiled passes run the same oneDNN kernels as eager. (Inductor's own `_linear_pointwise` lowering
+wants weights it froze itself, and its fp32 freezing path packs for MKL, the slow kernel here.)
+Engines are exported from the plain weights. Training's response and feature stages pack the HF
+model for the duration of the stage (`packed_linears`); the HF modules are never left changed.
 """
 
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
+from torch._library.opaque_object import register_opaque_type
+from torch._opaque_base import OpaqueBase
 
 
 def can_pack(weight: Tensor) -> bool:
@@ -25,18 +29,40 @@ def can_pack(weight: Tensor) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
+class PackedWeight(OpaqueBase):
+    """A weight [out, in] reordered once into oneDNN's blocked layout for about `rows` rows (any
+    row count runs). Opaque to torch.compile: passed by reference to `glance::packed_linear`."""
+
+    def __init__(self, weight: Tensor, rows: int):
+        self.out_features, self.in_features = weight.shape
+        self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+
+register_opaque_type(PackedWeight, typ="reference")
+
+
+@torch.library.custom_op("glance::packed_linear", mutates_args=())
+def packed_linear(x: Tensor, weight: PackedWeight, bias: Tensor | None, out_features: int) -> Tensor:
+    """x [..., in] @ weight.T (+ bias) -> [..., out_features] with oneDNN's prepacked kernel."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight.tensor, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: Tensor, weight, bias: Tensor | None, out_features: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 class PackedLinear(nn.Module):
     """`linear(x)` with the weight [out, in] reordered once for oneDNN; x [..., in] -> [..., out]."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, rows: int):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
-        self.register_buffer("packed", packed, persistent=False)
+        self.packed = PackedWeight(weight, rows)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.glance.packed_linear(x, self.packed, self.bias, self.out_features)
 
 
 def packed(linear: nn.Module, rows: int) -> nn.Module:

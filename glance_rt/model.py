@@ -3,7 +3,7 @@
 Projections, norms, MLPs and the rotary table are the HF modules themselves (shared, not copied),
 so numerics match the HF forward; what is ours is the forward: explicit positions (1-D or M-RoPE),
 a static KV cache written by index, and attention through `glance::tree_attention`. With
-`pack_rows` > 0 (the eager CPU backend) the linear layers run through oneDNN-prepacked copies of
+`pack_rows` > 0 (fp32 on a CPU, eager or compiled) the linear layers run through oneDNN-prepacked copies of
 their weights instead (`glance_rt.linear`).
 """
 

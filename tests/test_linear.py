@@ -41,12 +41,10 @@ def test_decoder_prepacks_only_where_it_applies():
     assert isinstance(dec.drafter.head, PackedLinear)
     assert isinstance(target.parts.text_model.layers[0].self_attn.q_proj, nn.Linear)  # HF modules untouched
     assert not glance_rt.Decoder(target, d, tree_budget=6, prepack=False).prepack
-    assert not glance_rt.Decoder(target, d, tree_budget=6, backend="compile").prepack
-    with pytest.raises(GlanceError, match="prepack=True needs the eager backend"):
-        glance_rt.Decoder(target, d, backend="compile", prepack=True)
+    assert glance_rt.Decoder(target, d, tree_budget=6, backend="compile").prepack
     assert not can_pack(torch.zeros(1, dtype=torch.bfloat16))  # fp32 only (bf16 targets keep nn.Linear)
     bf16 = type("T", (), {"parts": type("P", (), {"lm_head": nn.Linear(2, 2).bfloat16()})})()
-    with pytest.raises(GlanceError, match="prepack=True needs the eager backend and fp32"):
+    with pytest.raises(GlanceError, match="prepack=True needs fp32 weights"):
         glance_rt.Decoder(bf16, None, prepack=True)
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import glance_rt
+from glance_rt.linear import can_pack
 from glance_rt.passes import GRAPHS
 from tests.conftest import OracleDrafter, hf_greedy, tiny_target
 from tests.tiny_models import ARCHS, VLM_ARCHS, make_inputs
@@ -99,14 +100,17 @@ def unique_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
-def test_compile_backend_is_lossless_and_never_recompiles(arch):
+@pytest.mark.parametrize("arch,prepack", [("llama", None), ("llama", False), ("qwen2_5_vl", None)])
+def test_compile_backend_is_lossless_and_never_recompiles(arch, prepack):
     """After one warm-up generation, generations with other prompts (other lengths, so other
-    drafter-context chunk counts and acceptance patterns) add no compiled graph."""
+    drafter-context chunk counts and acceptance patterns) add no compiled graph. With prepacked
+    weights (the fp32 CPU default) and with the plain ones."""
     torch._dynamo.reset()
     target, model, processor = tiny_target(arch)
     drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=3)
-    dec = glance_rt.Decoder(target, drafter, tree_budget=8, max_length=256, backend="compile", chunk=8)
+    dec = glance_rt.Decoder(target, drafter, tree_budget=8, max_length=256, backend="compile", chunk=8,
+                            prepack=prepack)
+    assert dec.prepack == (prepack is None and can_pack(target.parts.lm_head.weight))
     first = make_inputs(arch, processor, n_images=1 if arch in VLM_ARCHS else 0)
     before = unique_graphs()
     assert dec.generate(max_new_tokens=NEW, **first).token_ids == hf_greedy(model, first, NEW)
