@@ -14,6 +14,11 @@ DRAFTER = click.option("--drafter", "drafter_path", type=click.Path(), default=N
 DTYPE = click.option("--dtype", default="float32", show_default=True,
                      type=click.Choice(["float32", "bfloat16", "float16"]))
 DEVICE = click.option("--device", default="cpu", show_default=True)
+TREE_BUDGET = click.option("--tree-budget", default=8, show_default=True, type=int,
+                           help="Draft nodes verified per round.")
+LOOKUP = click.option("--lookup", default=3, show_default=True, type=int,
+                      help="Graft a prompt-lookup chain (n-grams up to N) into each tree; 0: the drafter alone. "
+                           "Not used for chains or autoregression.")
 SUITE = click.option("--suite", default="all", show_default=True,
                      help="'all', a task kind (held-out prompts of the shipped corpus), or a JSONL file.")
 def _image_size(ctx, param, values):
@@ -64,11 +69,9 @@ def _load(target_path, drafter_path, dtype, device):
 @click.option("--image", "images", type=click.Path(), multiple=True, help="Image file (repeatable).")
 @click.option("--prompt", required=True, help="The user message.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
-@click.option("--tree-budget", default=8, show_default=True, type=int, help="Draft nodes verified per round.")
+@TREE_BUDGET
 @click.option("--chain", is_flag=True, help="Verify a width-1 chain (DFlash-style) instead of a tree.")
-@click.option("--lookup", default=3, show_default=True, type=int,
-              help="Graft a prompt-lookup chain (n-grams up to N) into each tree; 0: the drafter alone. "
-                   "Not used for chains or autoregression.")
+@LOOKUP
 @click.option("--max-length", default=2048, show_default=True, type=int, help="Static cache rows.")
 @DTYPE
 @DEVICE
@@ -175,15 +178,16 @@ def train(target_path, prompts, images, out, num_layers, block_size, target_laye
 @click.option("--per-kind", default=8, show_default=True, type=int, help="At most N prompts of each kind.")
 @SUITE_IMAGES
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
-@click.option("--tree-budget", default=32, show_default=True, type=int)
+@TREE_BUDGET
 @click.option("--chain", is_flag=True)
+@LOOKUP
 @DTYPE
 @DEVICE
 @click.option("--threshold", default=None, type=float,
               help="Fail only on divergences whose top-1/top-2 margin exceeds this (default: any divergence).")
 @click.option("--json", "json_out", type=click.Path(), default=None, help="Write the per-prompt report here.")
-def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, tree_budget, chain, dtype, device,
-          threshold, json_out):
+def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, tree_budget, chain, lookup, dtype,
+          device, threshold, json_out):
     """Check every output against HF greedy decoding; exit 1 on a divergence (above --threshold)."""
     import json
 
@@ -194,7 +198,8 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, tr
     try:
         target, drafter = _load(target_path, drafter_path, dtype, device)
         rows = suite_rows(suite, per_kind)
-        dec = Decoder(target, drafter, tree_budget=tree_budget, chain=chain, max_length=4096)
+        dec = Decoder(target, drafter, tree_budget=tree_budget, chain=chain, max_length=4096,
+                      lookup=0 if drafter is None or chain else lookup)
         results = []
         try:
             for r in audit_mod.audit(target, dec, rows, max_new_tokens, images):
