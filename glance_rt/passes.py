@@ -3,7 +3,8 @@
 `EagerPasses` is the reference: exact lengths (the prompt in one pass, attention over the rows
 written so far). `StaticPasses` runs the same math at fixed shapes, so that compilers can take it:
 the prompt in chunks of `chunk` rows, the drafter's context padded (to B rows per round, to `chunk`
-rows for the prompt), attention over all `max_len` cache rows. Its graphs are the methods of
+rows for the prompt), attention over all `max_len` cache rows (on a CPU the tree-attention op reads
+only the rows its queries can see). Its graphs are the methods of
 `StaticGraphs`, plain functions of tensors; a backend swaps them for compiled (torch.compile) or
 loaded (AOTInductor) versions. Padded rows only ever land on cache rows that are rewritten before
 anything can see them.
