@@ -29,17 +29,15 @@ def tree_attention_reference(
     kv_heads, d = k.shape[1], q.shape[3]
     groups = q.shape[1] // kv_heads
     t, kv_len = q.shape[2], k.shape[2]
-    if q.device.type == "cpu" and int(prefix_len) + t < kv_len:
-        # Rows past the queries' own are invisible: a static pass over all the cache's rows reads
-        # only the ones it can see. This reads prefix_len on the host, so it is CPU-only (on CUDA it
-        # would be a sync inside a captured graph).
-        kv_len = int(prefix_len) + t
-        k, v = k[:, :, :kv_len], v[:, :, :kv_len]
-    if t == 1 and q.device.type == "cpu" and kv_len == int(prefix_len) + 1 and bool(tree_mask[0, 0]):
-        # one query row that sees every cached row (eager autoregression): no mask at all (CPU-only,
-        # as above).
-        qg = q.reshape(1, kv_heads, groups, d)  # [1, KVH, G, D]
-        return F.scaled_dot_product_attention(qg, k, v, scale=scale).reshape(q.shape)
+    if q.device.type == "cpu":  # reads prefix_len on the host: CPU-only (on CUDA, a sync inside a captured graph)
+        seen = int(prefix_len) + t
+        if seen < kv_len:  # rows past the queries' own are invisible: a static pass reads only the ones it sees
+            kv_len = seen
+            k, v = k[:, :, :seen], v[:, :, :seen]
+        if t == 1 and kv_len == seen and bool(tree_mask[0, 0]):
+            # one query row that sees every cached row (eager autoregression): no mask at all
+            qg = q.reshape(1, kv_heads, groups, d)  # [1, KVH, G, D]
+            return F.scaled_dot_product_attention(qg, k, v, scale=scale).reshape(q.shape)
     # GQA by folding each KV head's G query heads into its rows, so K and V are read as they lie in
     # the cache (no [1, H, L, D] copies); every folded row carries its query's mask row.
     qg = q.reshape(1, kv_heads, groups * t, d)  # [1, KVH, G*T, D]

@@ -92,7 +92,7 @@ def generate(target_path, drafter_path, images, prompt, max_new_tokens, tree_bud
         else:
             target, drafter = _load(target_path, drafter_path, dtype, device)
             dec = Decoder(target, drafter, tree_budget=tree_budget, chain=chain, max_length=max_length,
-                          backend=backend, lookup=0 if drafter is None or chain else lookup)
+                          backend=backend, lookup=_tree_lookup(lookup, drafter is not None, chain))
         pil = [_open_image(p) for p in images]
         inputs = target.encode_chat(prompt, pil)
         start = time.perf_counter()
@@ -199,7 +199,7 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, tr
         target, drafter = _load(target_path, drafter_path, dtype, device)
         rows = suite_rows(suite, per_kind)
         dec = Decoder(target, drafter, tree_budget=tree_budget, chain=chain, max_length=4096,
-                      lookup=0 if drafter is None or chain else lookup)
+                      lookup=_tree_lookup(lookup, drafter is not None, chain))
         results = []
         try:
             for r in audit_mod.audit(target, dec, rows, max_new_tokens, images):
@@ -281,9 +281,14 @@ def _engine_decoder(engine_dir, target_path, drafter_path, lookup: int = 0):
                                        device=m["source"]["device"])
     if drafter_path is not None:
         drafter = glance_rt.load_drafter(drafter_path, target)
-    if m["chain"] or m["source"]["drafter_weights"] is None:  # lookup grafts onto trees only
-        lookup = 0
+    lookup = _tree_lookup(lookup, m["source"]["drafter_weights"] is not None, m["chain"])
     return glance_rt.Decoder.from_engine(engine_dir, target, drafter, lookup=lookup)
+
+
+def _tree_lookup(lookup: int, has_drafter: bool, chain: bool) -> int:
+    """The --lookup option where it applies: prompt lookup grafts onto a drafter's trees, so chains
+    and autoregression run without it (the CLI default would otherwise be refused by Decoder)."""
+    return lookup if has_drafter and not chain else 0
 
 
 @main.command("build-engine")

@@ -34,7 +34,6 @@ class PackedWeight(OpaqueBase):
     row count runs). Opaque to torch.compile: passed by reference to `glance::packed_linear`."""
 
     def __init__(self, weight: Tensor, rows: int):
-        self.out_features, self.in_features = weight.shape
         self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
 
 

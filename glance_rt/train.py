@@ -215,14 +215,13 @@ def stage_responses(target, rows: list[dict], cfg: TrainConfig, out: Path, rank:
     parts = _parts(rows)
     done = sum((out / "responses" / f"part-{i:05d}.jsonl").exists() for i in range(len(parts)))
     bar = _bar(len(rows), "responses", rank, initial=min(done * PART_SIZE, len(rows)))
-    with packed_linears(target.hf_model, PACK_ROWS):
-        for i in range(rank, len(parts), world):
-            path = out / "responses" / f"part-{i:05d}.jsonl"
-            if path.exists():
-                continue
-            result = _generate_batch(target, parts[i], cfg)
-            atomic_write(path, lambda p, r=result: p.write_text("".join(json.dumps(x) + "\n" for x in r)))
-            bar.update(len(parts[i]) * world)
+    for i in range(rank, len(parts), world):
+        path = out / "responses" / f"part-{i:05d}.jsonl"
+        if path.exists():
+            continue
+        result = _generate_batch(target, parts[i], cfg)
+        atomic_write(path, lambda p, r=result: p.write_text("".join(json.dumps(x) + "\n" for x in r)))
+        bar.update(len(parts[i]) * world)
     bar.close()
     _barrier(world)
 
@@ -265,12 +264,11 @@ def capture_features(target, inputs: dict, layer_ids: tuple[int, ...]) -> Tensor
 def stage_features(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world: int, n_parts: int) -> None:
     done = sum((out / "features" / f"part-{i:05d}.safetensors").exists() for i in range(n_parts))
     bar = _bar(n_parts, "features", rank, initial=done)
-    with packed_linears(target.hf_model, PACK_ROWS):
-        for i in range(rank, n_parts, world):
-            path = out / "features" / f"part-{i:05d}.safetensors"
-            if not path.exists():
-                _write_features(target, cfg, out / "responses" / f"part-{i:05d}.jsonl", path, layer_ids)
-                bar.update(world)
+    for i in range(rank, n_parts, world):
+        path = out / "features" / f"part-{i:05d}.safetensors"
+        if not path.exists():
+            _write_features(target, cfg, out / "responses" / f"part-{i:05d}.jsonl", path, layer_ids)
+            bar.update(world)
     bar.close()
     _barrier(world)
 
@@ -584,9 +582,10 @@ def train(target, cfg: TrainConfig):
     train_rows = training_rows(rows, cfg.per_kind)
     out = prepare_out(cfg, target, rank)
     _barrier(world)
-    stage_responses(target, train_rows, cfg, out, rank, world)
     n_parts = len(_parts(train_rows))
-    stage_features(target, cfg, out, layer_ids, rank, world, n_parts)
+    with packed_linears(target.hf_model, PACK_ROWS):  # stages 1-2 run the HF model: oneDNN kernels, modules put back
+        stage_responses(target, train_rows, cfg, out, rank, world)
+        stage_features(target, cfg, out, layer_ids, rank, world, n_parts)
 
     def evaluate(drafter, per_kind=cfg.eval_per_kind, quiet=False):
         return evaluate_tau(target, drafter, rows, cfg, per_kind, quiet, lookup=cfg.eval_lookup)
