@@ -1,9 +1,19 @@
-"""AOTInductor engines: one `.pt2` package per static graph (`glance_rt.passes.StaticGraphs`).
+"""AOTInductor engines: one `.pt2` package per graph of `glance_rt.passes.StaticGraphs`. All but
+prefill have fixed shapes; prefill is exported with a dynamic row count, so the prompt runs in one
+exact-length pass (padded chunks cost up to chunk-1 rows of wasted work per prompt).
 
-Packages are built without their weights (`package_constants_in_so=False`): at load time every
-package gets the running model's weights and KV caches as user-managed constants, so the prefill,
-verify (one per tree-budget bucket), draft and context packages share one copy of the weights and
-write the same caches in place. The manifest pins the weights they were built from.
+Two flavors:
+- `frozen` (default): Inductor freezing compiles the weights into every package as constants, and
+  folds what can be computed from them at build time: on a CPU each linear layer's weight is stored
+  reordered for oneDNN and runs as one `mkldnn._linear_pointwise` call from the C++ wrapper (2.3x
+  faster per verify pass than `shared` on this machine's CPU, README). The cost: each package holds
+  its own copy of the weights it uses (disk and memory grow with the number of budget buckets).
+- `shared`: packages are built without their weights (`package_constants_in_so=False`); at load
+  every package gets the running model's weights as user-managed constants, so all of them share
+  one copy (and run its plain layout: MKL's GEMM on a CPU).
+Either way the KV caches are the running model's buffers, handed to every package at load, so
+prefill, verify (one package per tree-budget bucket), draft and context write the same caches in
+place. The manifest pins the weights the packages were built from.
 """
 
 import json
@@ -29,16 +39,28 @@ class _Entry(nn.Module):
         return getattr(self.graphs, self.name)(*args)
 
 
-def build(decoder, out: Path, budgets, chain: bool, chunk: int, manifest: dict, progress: bool = True) -> None:
+def inductor_configs(flavor: str) -> dict:
+    if flavor == "frozen":
+        return {"freezing": True}
+    return {"aot_inductor.package_constants_in_so": False}
+
+
+def build(decoder, out: Path, budgets, chain: bool, chunk: int, manifest: dict, progress: bool = True,
+          flavor: str = "frozen") -> None:
     """Export and AOT-compile every graph into `out` (resumable: finished packages are kept)."""
     from tqdm import tqdm
 
-    from glance_rt.passes import StaticGraphs, StaticShapes, example_inputs
+    from glance_rt.passes import MIN_PREFILL_ROWS, StaticGraphs, StaticShapes, example_inputs
 
     graphs = StaticGraphs(decoder.verifier, decoder.drafter)
     block = decoder.drafter.block_size if decoder.drafter is not None else 1
     jobs = example_inputs(graphs, StaticShapes(chunk, block), decoder.mrope, budgets, chain)
-    cfg = {"aot_inductor.package_constants_in_so": False}
+    cfg = inductor_configs(flavor)
+    # prefill takes the prompt at its length (MIN_PREFILL_ROWS..max_len rows): one pass, no padded chunk
+    rows = torch.export.Dim("prompt_rows", min=MIN_PREFILL_ROWS, max=graphs.max_len)
+    positions = jobs["prefill"][1]
+    dynamic = {"prefill": (({1: rows}, {positions.dim() - 1: rows}, None, None),)}
+    manifest["prefill"] = "exact"
     files, bar = {}, tqdm(jobs.items(), desc="aoti packages", unit="graph", disable=not progress)
     for name, args in bar:
         bar.set_postfix_str(name)
@@ -49,7 +71,8 @@ def build(decoder, out: Path, budgets, chain: bool, chunk: int, manifest: dict, 
             continue
         t0 = time.perf_counter()
         with torch.no_grad():
-            ep = torch.export.export(_Entry(graphs, name.split("-")[0]), args, strict=False)
+            ep = torch.export.export(_Entry(graphs, name.split("-")[0]), args, strict=False,
+                                     dynamic_shapes=dynamic.get(name))
             tmp = out / f"{name}.tmp.pt2"
             torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=cfg)
         tmp.replace(file)
@@ -58,10 +81,13 @@ def build(decoder, out: Path, budgets, chain: bool, chunk: int, manifest: dict, 
 
 
 def runners(path: Path, manifest: dict, graphs) -> dict:
-    """Load every package with `graphs`' weights and caches as user-managed constants -> the
-    callables StaticPasses runs (verify dispatches on the tree's row count)."""
+    """Load every package with `graphs`' caches (and, `shared` flavor, weights) as user-managed
+    constants -> the callables StaticPasses runs (verify dispatches on the tree's row count). A frozen
+    package keeps the constants compiled into it (its folded weights have no name in `graphs`);
+    every one of its constants that names a buffer or parameter of `graphs` is taken from `graphs`."""
     from glance_rt.engines.engine import verify_by_rows
 
+    frozen = manifest["flavor"] == "frozen"  # engines built before the flavors existed were shared
     consts = {}
     for n, t in [*graphs.named_parameters(remove_duplicate=False), *graphs.named_buffers(remove_duplicate=False)]:
         consts[f"graphs.{n}"] = t.detach()
@@ -69,11 +95,12 @@ def runners(path: Path, manifest: dict, graphs) -> dict:
     for name, info in manifest["graphs"].items():
         runner = torch._inductor.aoti_load_package(str(path / info["file"]))
         want = runner.get_constant_fqns()
-        missing = [k for k in want if k not in consts]
+        missing = [k for k in want if k not in consts and not (frozen and k.startswith("_frozen_param"))]
         if missing:
             raise GlanceError(f"engine {path}: package {info['file']} expects weights {missing[:3]} that this model "
                               "does not have; rebuild the engine")
-        runner.load_constants({k: consts[k] for k in want}, check_full_update=True, user_managed=True)
+        runner.load_constants({k: consts[k] for k in want if k in consts}, check_full_update=not frozen,
+                              user_managed=True)
         loaded[name] = runner
     verify = {int(n.split("-")[1]): r for n, r in loaded.items() if n.startswith("verify-")}
 
@@ -85,4 +112,4 @@ def runners(path: Path, manifest: dict, graphs) -> dict:
 
 
 def describe(manifest: dict) -> str:
-    return json.dumps({k: manifest[k] for k in ("backend", "budgets", "chain", "max_len", "chunk")})
+    return json.dumps({k: manifest[k] for k in ("backend", "flavor", "budgets", "chain", "max_len", "chunk")})

@@ -9,6 +9,7 @@ from glance_rt.engines.manifest import FORMAT, check_manifest, read_manifest, so
 from glance_rt.errors import GlanceError
 
 ENGINE_BACKENDS = ("aoti", "onnxruntime")
+FLAVORS = {"aoti": ("frozen", "shared"), "onnxruntime": ("portable", "plugin")}  # the first is the default
 
 
 def _backend(name: str):
@@ -36,20 +37,26 @@ def verify_by_rows(verify: dict):
     return run_verify
 
 
-def build_engine(target, drafter, out, backend: str = "aoti", budgets=(32,), chain: bool = False,
+def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chain: bool = False,
                  max_len: int = 1024, chunk: int = 64, target_source=None, drafter_source=None,
-                 progress: bool = True, flavor: str = "portable", ort_include=None, image_sizes=()) -> Path:
+                 progress: bool = True, flavor: str | None = None, ort_include=None, image_sizes=()) -> Path:
     """Build the static graphs of `target` (+ `drafter`) for `backend` into the folder `out`.
     An interrupted build resumes from its finished graphs; the manifest is written last.
-    `flavor` (onnxruntime only): "plugin" runs tree attention through glance-rt's compiled kernel
-    library, built against the ONNX Runtime C API headers in `ort_include`. `image_sizes` (onnxruntime,
-    VLM targets): (W, H) image buckets to build vision graphs for."""
+    `flavor` (None: the backend's default, the first in FLAVORS): for aoti, "frozen" compiles the
+    weights into every package (Inductor freezing: oneDNN-packed linears on a CPU) and "shared" hands
+    one copy of the running model's weights to all packages at load; for onnxruntime, "plugin" runs
+    tree attention through glance-rt's compiled kernel library, built against the ONNX Runtime C API
+    headers in `ort_include`. `image_sizes` (onnxruntime, VLM targets): (W, H) image buckets to build
+    vision graphs for."""
     import glance_rt
 
     impl = _backend(backend)
-    if flavor not in ("portable", "plugin") or (flavor == "plugin" and backend != "onnxruntime"):
-        raise GlanceError(f"flavor {flavor!r} with backend {backend!r}: the 'plugin' flavor is for onnxruntime "
-                          "engines; others take 'portable'")
+    flavor = FLAVORS[backend][0] if flavor is None else flavor
+    if flavor not in FLAVORS[backend]:
+        owner = next((b for b, fl in FLAVORS.items() if flavor in fl), None)
+        raise GlanceError(f"flavor {flavor!r} with backend {backend!r}: "
+                          + (f"the {flavor!r} flavor is for {owner} engines; " if owner else "")
+                          + f"{backend} takes {' or '.join(FLAVORS[backend])}")
     image_sizes = [list(s) for s in image_sizes]
     if image_sizes and backend != "onnxruntime":
         raise GlanceError("vision graphs (--image-size) are built for onnxruntime engines; an aoti engine runs the "
@@ -83,7 +90,7 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(32,), cha
         impl.build(dec, out, budgets, chain, chunk, manifest, progress, flavor=flavor, ort_include=ort_include,
                    image_sizes=image_sizes)
     else:
-        impl.build(dec, out, budgets, chain, chunk, manifest, progress)
+        impl.build(dec, out, budgets, chain, chunk, manifest, progress, flavor=flavor)
     write_manifest(out, manifest)
     return out
 
@@ -116,7 +123,8 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
                           "with `glance-rt build-engine --tree-budget ...`")
     dec = cls(target, drafter, tree_budget=tree_budget, chain=m["chain"], max_length=m["max_len"], chunk=m["chunk"],
               lookup=lookup, prepack=False)
-    dec.passes = dec.static_passes(lambda graphs: impl.runners(path, m, graphs), m["chunk"])
+    exact = m.get("prefill") == "exact"  # older engines (and onnxruntime's) run the prompt in padded chunks
+    dec.passes = dec.static_passes(lambda graphs: impl.runners(path, m, graphs), m["chunk"], exact)
     if m.get("vision"):  # ONNX vision graphs, one per image bucket, replace the torch vision tower at prefill
         dec.prefill_inputs = impl.vision(path, m, target)
     dec.backend = m["backend"]

@@ -215,7 +215,7 @@ def export_onnx(decoder, out, budgets, chain: bool, chunk: int, flavor: str = "p
 
 
 
-def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20, budgets=(32,), chain: bool = False,
+def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20, budgets=(8,), chain: bool = False,
                  max_len: int = 1024, chunk: int = 64, target_source=None, drafter_source=None,
                  progress: bool = True, image_sizes=()) -> Path:
     """`glance-rt export`: ONNX graphs of `target` (+ `drafter`) and their manifest, in `out`;

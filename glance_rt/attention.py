@@ -30,18 +30,18 @@ def tree_attention_reference(
     groups = q.shape[1] // kv_heads
     t, kv_len = q.shape[2], k.shape[2]
     if q.device.type == "cpu":  # reads prefix_len on the host: CPU-only (on CUDA, a sync inside a captured graph)
-        seen = int(prefix_len) + t
-        if seen < kv_len:  # rows past the queries' own are invisible: a static pass reads only the ones it sees
-            kv_len = seen
-            k, v = k[:, :, :seen], v[:, :, :seen]
-        if t == 1 and kv_len == seen and bool(tree_mask[0, 0]):
-            # one query row that sees every cached row (eager autoregression): no mask at all
+        seen = int(prefix_len) + t  # rows past the queries' own are invisible: read only the ones seen
+        k, v = k[:, :, :seen], v[:, :, :seen]  # [1, KVH, P+T, D]
+        if t == 1 and bool(tree_mask[0, 0]):
+            # one query row that sees every cached row (autoregression): no mask at all
             qg = q.reshape(1, kv_heads, groups, d)  # [1, KVH, G, D]
             return F.scaled_dot_product_attention(qg, k, v, scale=scale).reshape(q.shape)
+        mask = torch.cat([tree_mask.new_ones(t, seen - t), tree_mask], 1)  # [T, P+T]: the prefix, then the tree
+    else:
+        mask = visibility(tree_mask, prefix_len, kv_len)  # [T, L]
     # GQA by folding each KV head's G query heads into its rows, so K and V are read as they lie in
     # the cache (no [1, H, L, D] copies); every folded row carries its query's mask row.
     qg = q.reshape(1, kv_heads, groups * t, d)  # [1, KVH, G*T, D]
-    mask = visibility(tree_mask, prefix_len, kv_len)  # [T, L]
     if groups > 1:
         mask = mask.repeat(groups, 1)  # [G*T, L]
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[None, None], scale=scale)

@@ -297,15 +297,17 @@ def _tree_lookup(lookup: int, has_drafter: bool, chain: bool) -> int:
 @click.option("--backend", default="aoti", show_default=True, type=click.Choice(["aoti", "onnxruntime"]),
               help="aoti: AOTInductor packages (one .pt2 per static graph); onnxruntime: exported ONNX graphs "
                    "saved optimized for ONNX Runtime.")
-@click.option("--tree-budget", "budgets", default=(32,), show_default=True, type=int, multiple=True,
+@click.option("--tree-budget", "budgets", default=(8,), show_default=True, type=int, multiple=True,
               help="Tree budget bucket (repeatable): one verify graph each.")
 @click.option("--chain", is_flag=True, help="Build the width-1 chain's verify graph instead.")
 @click.option("--max-length", default=1024, show_default=True, type=int,
               help="Static cache rows (prompt + new tokens + one round); attention reads all of them.")
 @click.option("--chunk", default=64, show_default=True, type=int, help="Prompt rows per prefill pass.")
 @click.option("--no-drafter", is_flag=True, help="Build autoregression only.")
-@click.option("--flavor", default="portable", show_default=True, type=click.Choice(["portable", "plugin"]),
-              help="onnxruntime: portable runs tree attention as standard ONNX ops; plugin as one "
+@click.option("--flavor", default=None, type=click.Choice(["frozen", "shared", "portable", "plugin"]),
+              help="aoti: frozen (default) compiles the weights into each package (oneDNN-packed linears on a "
+                   "CPU: fastest; a copy of the weights per package), shared gives all packages one copy at load. "
+                   "onnxruntime: portable (default) runs tree attention as standard ONNX ops; plugin as one "
                    "glance.TreeAttention node through glance-rt's compiled kernel library (needs --ort-include).")
 @IMAGE_SIZES
 @click.option("--ort-include", type=click.Path(), default=None,
@@ -336,7 +338,7 @@ def build_engine(target_path, drafter_path, backend, budgets, chain, max_length,
 @TARGET
 @DRAFTER
 @click.option("--out", required=True, type=click.Path(), help="Export folder (resumes an interrupted export).")
-@click.option("--tree-budget", "budgets", default=(32,), show_default=True, type=int, multiple=True,
+@click.option("--tree-budget", "budgets", default=(8,), show_default=True, type=int, multiple=True,
               help="Tree budget bucket (repeatable): one verify graph each.")
 @click.option("--chain", is_flag=True, help="Export the width-1 chain's verify graph instead.")
 @click.option("--max-length", default=1024, show_default=True, type=int, help="Static cache rows.")

@@ -143,9 +143,10 @@ class Decoder:
 
             self.passes = self.static_passes(compiled_fns, chunk)
 
-    def static_passes(self, make_fns, chunk: int):
+    def static_passes(self, make_fns, chunk: int, exact_prefill: bool = False):
         """Fixed-shape passes over this decoder's modules and caches; `make_fns(graphs)` returns the
-        callables that run each graph (compiled, or loaded from an engine)."""
+        callables that run each graph (compiled, or loaded from an engine). `exact_prefill`: the
+        prefill graph takes the whole prompt at its length (an engine's dynamic-length prefill)."""
         from glance_rt.draft import DraftPass
         from glance_rt.passes import StaticGraphs, StaticPasses, StaticShapes
 
@@ -154,7 +155,7 @@ class Decoder:
                               "use backend='eager' for other drafter objects")
         graphs = StaticGraphs(self.verifier, self.drafter)
         block = self.drafter.block_size if self.drafter is not None else 1
-        return StaticPasses(graphs, make_fns(graphs), StaticShapes(chunk, block))
+        return StaticPasses(graphs, make_fns(graphs), StaticShapes(chunk, block, exact_prefill))
 
     @classmethod
     def from_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int = 0) -> "Decoder":

@@ -93,6 +93,10 @@ class StaticGraphs(nn.Module):
 class StaticShapes:
     chunk: int  # prompt rows per prefill pass (and drafter-context rows per context pass)
     block_size: int  # B (1 without a drafter)
+    exact_prefill: bool = False  # the prefill graph takes any row count from MIN_PREFILL_ROWS: one pass
+
+
+MIN_PREFILL_ROWS = 2  # exporters specialise a dimension of size 1: a one-token prompt is padded to 2
 
 
 class StaticPasses:
@@ -124,11 +128,12 @@ class StaticPasses:
     def prefill(self, embeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         if "prefill" not in self.fns:  # the prompt in one exact-length pass (see compiled_fns)
             return EagerPasses(self.graphs.verifier, None).prefill(embeds, positions)
-        c, p = self.shapes.chunk, embeds.shape[1]
+        p = embeds.shape[1]
+        c = max(p, MIN_PREFILL_ROWS) if self.shapes.exact_prefill else self.shapes.chunk
         feats, logits = [], None
         for s in range(0, p, c):
             n = min(c, p - s)
-            e = self._pad_rows(embeds[:, s : s + n], c, 1)  # [1, C, H]
+            e = self._pad_rows(embeds[:, s : s + n], c, 1)  # [1, C, H] (C = P: the prompt in one exact pass)
             pos = self._pad_rows(positions[..., s : s + n], c, positions.dim() - 1)
             logits, f = self.fns["prefill"](e, pos, self._t(s), self._t([n - 1]))
             feats.append(f[:n].clone())  # a CUDA-graph replay of the next chunk reuses f's memory

@@ -38,19 +38,36 @@ def test_aoti_engine_is_lossless(llama_engine, budget):
     dec = glance_rt.Decoder.from_engine(llama_engine, target, drafter_for(target), tree_budget=budget)
     assert dec.backend == "aoti"
     assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(model, inputs, NEW)
-    other = make_inputs("llama", tok, prompt="A longer prompt, so that the prefill takes several chunks of eight.")
+    other = make_inputs("llama", tok, prompt="A longer prompt, longer than the engine's chunk of eight rows.")
+    prefill, calls = dec.passes.fns["prefill"], []
+    dec.passes.fns["prefill"] = lambda *a: calls.append(a[0].shape[1]) or prefill(*a)
     assert dec.generate(max_new_tokens=NEW, **other).token_ids == hf_greedy(model, other, NEW)
+    assert calls == [other["input_ids"].shape[1]]  # the dynamic-length prefill package: one exact pass
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3"])
-def test_aoti_engine_vlm_and_autoregression(arch, tmp_path):
+@pytest.mark.parametrize("arch, flavor", [("qwen2_5_vl", "frozen"), ("qwen3", "shared"), ("qwen2_5_vl", "shared")])
+def test_aoti_engine_vlm_and_autoregression(arch, flavor, tmp_path):
     target, model, processor = tiny_target(arch)
     inputs = make_inputs(arch, processor, n_images=1 if arch in VLM_ARCHS else 0)
     ref = hf_greedy(model, inputs, NEW)
     drafter = drafter_for(target) if arch in VLM_ARCHS else None  # M-RoPE tree engine / AR engine
-    build_engine(target, drafter, tmp_path / "e", budgets=(8,), max_len=256, chunk=16, progress=False)
+    build_engine(target, drafter, tmp_path / "e", budgets=(8,), max_len=256, chunk=16, progress=False, flavor=flavor)
     dec = glance_rt.Decoder.from_engine(tmp_path / "e", target, drafter)
     assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == ref
+
+
+def test_frozen_packages_hold_folded_weights_and_share_the_caches(llama_engine):
+    """The default (frozen) flavor: every package carries folded weights of its own (names no
+    module has), and takes the caches from the running model, so the packages see each other's
+    writes (the lossless tests above would fail otherwise)."""
+    import torch
+
+    m = json.loads((llama_engine / "manifest.json").read_text())
+    assert m["flavor"] == "frozen" and m["prefill"] == "exact"
+    for info in m["graphs"].values():
+        fqns = torch._inductor.aoti_load_package(str(llama_engine / info["file"])).get_constant_fqns()
+        assert any(k.startswith("_frozen_param") for k in fqns)
+        assert any(".cache." in k for k in fqns)
 
 
 def test_engine_refuses_what_it_was_not_built_for(llama_engine, tmp_path):
