@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 from click.testing import CliRunner
 from glance_rt.engines.engine import build_engine
 
@@ -45,6 +46,14 @@ def test_aoti_engine_is_lossless(llama_engine, budget):
     assert calls == [other["input_ids"].shape[1]]  # the dynamic-length prefill package: one exact pass
 
 
+def test_aoti_engine_one_token_prompt(llama_engine):
+    """The dynamic prefill package takes 2+ rows: a one-token prompt is padded to two, losslessly."""
+    target, model, _ = tiny_target("llama")
+    inputs = {"input_ids": torch.tensor([[7]]), "attention_mask": torch.ones(1, 1, dtype=torch.long)}
+    dec = glance_rt.Decoder.from_engine(llama_engine, target, drafter_for(target), tree_budget=6)
+    assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(model, inputs, NEW)
+
+
 @pytest.mark.parametrize("arch, flavor", [("qwen2_5_vl", "frozen"), ("qwen3", "shared"), ("qwen2_5_vl", "shared")])
 def test_aoti_engine_vlm_and_autoregression(arch, flavor, tmp_path):
     target, model, processor = tiny_target(arch)
@@ -60,8 +69,6 @@ def test_frozen_packages_hold_folded_weights_and_share_the_caches(llama_engine):
     """The default (frozen) flavor: every package carries folded weights of its own (names no
     module has), and takes the caches from the running model, so the packages see each other's
     writes (the lossless tests above would fail otherwise)."""
-    import torch
-
     m = json.loads((llama_engine / "manifest.json").read_text())
     assert m["flavor"] == "frozen" and m["prefill"] == "exact"
     for info in m["graphs"].values():
