@@ -1,12 +1,12 @@
-"""AOTInductor engines: one `.pt2` package per graph of `glance_rt.passes.StaticGraphs`. All but
+"""AOTInductor engines: one `.pt2` package per graph of `glance_rt.round.verify.StaticGraphs`. All but
 prefill have fixed shapes; prefill is exported with a dynamic row count, so the prompt runs in one
 exact-length pass (padded chunks cost up to chunk-1 rows of wasted work per prompt).
 
 Two flavors:
 - `frozen` (default): Inductor freezing compiles the weights into every package as constants, and
   folds what can be computed from them at build time: on a CPU each linear layer's weight is stored
-  reordered for oneDNN and runs as one `mkldnn._linear_pointwise` call from the C++ wrapper (2.3x
-  faster per verify pass than `shared` on this machine's CPU, README). The cost: each package holds
+  reordered for oneDNN and runs as one `mkldnn._linear_pointwise` call from the C++ wrapper (faster
+  per verify pass than `shared` on a CPU: docs/engines.md). The cost: each package holds
   its own copy of the weights it uses (disk and memory grow with the number of budget buckets).
 - `shared`: packages are built without their weights (`package_constants_in_so=False`); at load
   every package gets the running model's weights as user-managed constants, so all of them share
@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from glance_rt.errors import GlanceError
+from glance_rt.round.verify import MIN_PREFILL_ROWS, StaticShapes, example_inputs, verify_by_rows
 
 BACKEND = "aoti"
 
@@ -45,16 +46,14 @@ def inductor_configs(flavor: str) -> dict:
     return {"aot_inductor.package_constants_in_so": False}
 
 
-def build(decoder, out: Path, budgets, chain: bool, chunk: int, manifest: dict, progress: bool = True,
+def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, progress: bool = True,
           flavor: str = "frozen") -> None:
-    """Export and AOT-compile every graph into `out` (resumable: finished packages are kept)."""
+    """Export and AOT-compile every graph of `graphs` (StaticGraphs) into `out` (resumable:
+    finished packages are kept)."""
     from tqdm import tqdm
 
-    from glance_rt.passes import MIN_PREFILL_ROWS, StaticGraphs, StaticShapes, example_inputs
 
-    graphs = StaticGraphs(decoder.verifier, decoder.drafter)
-    block = decoder.drafter.block_size if decoder.drafter is not None else 1
-    jobs = example_inputs(graphs, StaticShapes(chunk, block), decoder.mrope, budgets, chain)
+    jobs = example_inputs(graphs, StaticShapes(chunk, graphs.block_size), budgets, chain)
     cfg = inductor_configs(flavor)
     # prefill takes the prompt at its length (MIN_PREFILL_ROWS..max_len rows): one pass, no padded chunk
     rows = torch.export.Dim("prompt_rows", min=MIN_PREFILL_ROWS, max=graphs.max_len)
@@ -85,8 +84,6 @@ def runners(path: Path, manifest: dict, graphs) -> dict:
     constants -> the callables StaticPasses runs (verify dispatches on the tree's row count). A frozen
     package keeps the constants compiled into it (its folded weights have no name in `graphs`);
     every one of its constants that names a buffer or parameter of `graphs` is taken from `graphs`."""
-    from glance_rt.engines.engine import verify_by_rows
-
     frozen = manifest["flavor"] == "frozen"  # engines built before the flavors existed were shared
     consts = {}
     for n, t in [*graphs.named_parameters(remove_duplicate=False), *graphs.named_buffers(remove_duplicate=False)]:

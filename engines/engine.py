@@ -4,9 +4,14 @@
 import json
 from pathlib import Path
 
-from glance_rt.engines.manifest import FORMAT, check_manifest, read_manifest, source, versions, write_manifest
-
-from glance_rt.errors import GlanceError
+from glance_rt.engines import aoti, onnxruntime
+from glance_rt.errors import GlanceError, require
+from glance_rt.export.manifest import FORMAT, check_manifest, read_manifest, source, versions, write_manifest
+from glance_rt.hf.target import load_target
+from glance_rt.models.drafter import load_drafter
+from glance_rt.round.adaptive import AdaptiveBudget
+from glance_rt.round.tree import check_budget
+from glance_rt.round.verify import Backend, static_graphs, static_passes
 
 ENGINE_BACKENDS = ("aoti", "onnxruntime")
 FLAVORS = {"aoti": ("frozen", "shared"), "onnxruntime": ("portable", "plugin")}  # the first is the default
@@ -14,27 +19,11 @@ FLAVORS = {"aoti": ("frozen", "shared"), "onnxruntime": ("portable", "plugin")} 
 
 def _backend(name: str):
     if name == "aoti":
-        from glance_rt.engines import aoti
-
         return aoti
     if name in ("onnxruntime", "onnx"):  # a `glance-rt export` folder also runs as-is
-        from glance_rt.engines import onnxruntime
-
+        require("onnx", "onnx", "onnxruntime", "onnxscript")
         return onnxruntime
     raise GlanceError(f"unknown engine backend {name!r}: choose one of {', '.join(ENGINE_BACKENDS)}")
-
-
-def verify_by_rows(verify: dict):
-    """One verify callable over per-bucket graphs (rows -> graph): picks the graph for tokens [T]."""
-
-    def run_verify(tokens, *rest):
-        graph = verify.get(tokens.shape[0])
-        if graph is None:
-            raise GlanceError(f"this engine has verify graphs for {sorted(verify)} rows, not {tokens.shape[0]}: "
-                              "use one of its tree budgets or rebuild with --tree-budget")
-        return graph(tokens, *rest)
-
-    return run_verify
 
 
 def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chain: bool = False,
@@ -48,8 +37,6 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     tree attention through glance-rt's compiled kernel library, built against the ONNX Runtime C API
     headers in `ort_include`. `image_sizes` (onnxruntime, VLM targets): (W, H) image buckets to build
     vision graphs for."""
-    import glance_rt
-
     impl = _backend(backend)
     flavor = FLAVORS[backend][0] if flavor is None else flavor
     if flavor not in FLAVORS[backend]:
@@ -62,14 +49,17 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
         raise GlanceError("vision graphs (--image-size) are built for onnxruntime engines; an aoti engine runs the "
                           "vision tower in torch at prefill")
     budgets = tuple(sorted(set(budgets))) if drafter is not None else (0,)
+    for b in budgets:
+        check_budget(b or 1)
     out = Path(out)
     config = {"backend": backend, "budgets": list(budgets), "chain": chain, "max_len": max_len, "chunk": chunk,
               "flavor": flavor, "image_sizes": image_sizes}
     if (out / "manifest.json").exists():
         raise GlanceError(f"{out} already holds an engine: pick another --out, or delete it to rebuild")
-    dec = glance_rt.Decoder(target, drafter, tree_budget=max(budgets) or 1, chain=chain, max_length=max_len,
-                            chunk=chunk, prepack=False)  # the plain weights: they are what gets traced
-    manifest = {"format": FORMAT, **config, "block_size": dec.drafter.block_size if drafter is not None else 1,
+    if max_len < 2 or chunk < 1:
+        raise GlanceError(f"max_len must be at least 2 and chunk at least 1, got {max_len} and {chunk}")
+    graphs = static_graphs(target, drafter, max_len)  # the plain weights: they are what gets traced
+    manifest = {"format": FORMAT, **config, "block_size": drafter.block_size if drafter is not None else 1,
                 "source": source(target, drafter), "versions": versions(),
                 "target_source": None if target_source is None else str(target_source),
                 "drafter_source": None if drafter_source is None else str(drafter_source)}
@@ -87,31 +77,36 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
         (out / "build.json.tmp").write_text(json.dumps({k: manifest[k] for k in keep}, indent=2))
         (out / "build.json.tmp").replace(started)
     if backend == "onnxruntime":
-        impl.build(dec, out, budgets, chain, chunk, manifest, progress, flavor=flavor, ort_include=ort_include,
-                   image_sizes=image_sizes)
+        impl.build(graphs, out, budgets, chain, chunk, manifest, progress, flavor=flavor, ort_include=ort_include,
+                   image_sizes=image_sizes, target=target)
     else:
-        impl.build(dec, out, budgets, chain, chunk, manifest, progress, flavor=flavor)
+        impl.build(graphs, out, budgets, chain, chunk, manifest, progress, flavor=flavor)
     write_manifest(out, manifest)
     return out
 
 
 def _load_sources(m: dict, target, drafter):
-    import glance_rt
-
     if target is None:
-        target = glance_rt.load_target(m["target_source"], dtype=m["source"]["dtype"], device=m["source"]["device"])
+        target = load_target(m["target_source"], dtype=m["source"]["dtype"], device=m["source"]["device"])
     if drafter is None and m["source"]["drafter_weights"] is not None:
-        drafter = glance_rt.load_drafter(m["drafter_source"], target)
+        drafter = load_drafter(m["drafter_source"], target)
     return target, drafter
 
 
-def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int = 0):
-    """A `cls` (Decoder) whose passes run the engine in `path`."""
-    from glance_rt.adaptive import AdaptiveBudget
+def engine_backend(path, m: dict) -> Backend:
+    """The Backend that runs the engine in `path` (manifest `m`): its graphs loaded over the
+    Decoder's own modules and caches, and its vision graphs (if any) for the prompt's images."""
+    impl = _backend(m["backend"])
+    exact = m.get("prefill") == "exact"  # older engines (and onnxruntime's) run the prompt in padded chunks
+    passes = static_passes(lambda graphs: impl.runners(path, m, graphs), m["chunk"], exact)
+    vision = (lambda target: impl.vision(path, m, target)) if m.get("vision") else None
+    return Backend(m["backend"], passes, prefill_inputs=vision, prepack=False)
 
+
+def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int | None = None):
+    """A `cls` (Decoder) whose passes run the engine in `path`."""
     path = Path(path)
     m = read_manifest(path)
-    impl = _backend(m["backend"])
     target, drafter = _load_sources(m, target, drafter)
     check_manifest(m, target, drafter, path)
     budgets = m["budgets"]
@@ -121,12 +116,5 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
     if drafter is not None and any(b not in budgets for b in asked):
         raise GlanceError(f"engine {path} has tree budgets {budgets}; {asked} asked. Pick among them or rebuild "
                           "with `glance-rt build-engine --tree-budget ...`")
-    dec = cls(target, drafter, tree_budget=tree_budget, chain=m["chain"], max_length=m["max_len"], chunk=m["chunk"],
-              lookup=lookup, prepack=False)
-    exact = m.get("prefill") == "exact"  # older engines (and onnxruntime's) run the prompt in padded chunks
-    dec.passes = dec.static_passes(lambda graphs: impl.runners(path, m, graphs), m["chunk"], exact)
-    if m.get("vision"):  # ONNX vision graphs, one per image bucket, replace the torch vision tower at prefill
-        dec.prefill_inputs = impl.vision(path, m, target)
-    dec.backend = m["backend"]
-    return dec
-
+    return cls(target, drafter, tree_budget=tree_budget, chain=m["chain"], max_length=m["max_len"],
+               backend=engine_backend(path, m), lookup=lookup)

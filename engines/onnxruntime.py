@@ -12,7 +12,12 @@ from pathlib import Path
 
 import torch
 
-from glance_rt.errors import GlanceError
+from glance_rt.engines import ort_plugin
+from glance_rt.engines.ort_plugin import library_for
+from glance_rt.errors import require
+from glance_rt.export.onnx import export_onnx, graph_caches, written_rows
+from glance_rt.export.vision import VisionGraphs, export_vision
+from glance_rt.round.verify import verify_by_rows
 
 BACKEND = "onnxruntime"
 
@@ -20,19 +25,17 @@ BACKEND = "onnxruntime"
 def session_options(path: Path, flavor: str, threads: int | None = None):
     """Options for a session over a graph in the folder `path` (the plugin flavor registers the
     folder's TreeAttention kernel library)."""
-    try:
-        import onnxruntime as ort
-    except ImportError as e:
-        raise GlanceError("ONNX Runtime engines need onnxruntime: pip install 'glance-rt[onnx]'") from e
+    require("onnx", "onnxruntime")
+    import onnxruntime as ort
+
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
         so.intra_op_num_threads = threads
     # ONNX Runtime's pool threads spin after each run by default, taking the cores from the torch work
-    # between graph calls (tree, acceptance bookkeeping, cache write-back): on 2 cores that tripled it.
+    # between graph calls (tree, acceptance bookkeeping, cache write-back), slowing it down (docs/engines.md).
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if flavor == "plugin":
-        from glance_rt.engines.ort_plugin import library_for
 
         so.register_custom_ops_library(str(library_for(path)))
     return so
@@ -71,8 +74,6 @@ class BoundGraph:
     Outputs are reused by the next call of the same graph (as with a CUDA-graph replay)."""
 
     def __init__(self, sess, info: dict, name: str, graphs, bufs: list):
-        from glance_rt.export.onnx import written_rows
-
         self.sess, self.name, self.graphs, self.bufs = sess, name, graphs, bufs
         self.written_rows = written_rows
         self.in_names = [i[0] for i in info["inputs"][: len(info["inputs"]) - len(bufs)]]
@@ -98,8 +99,7 @@ class BoundGraph:
 
 def runners(path: Path, manifest: dict, graphs) -> dict:
     """The callables StaticPasses runs, one ONNX Runtime session per graph."""
-    from glance_rt.engines.engine import verify_by_rows
-    from glance_rt.export.onnx import graph_caches
+
 
     fns, verify = {}, {}
     for key, info in manifest["graphs"].items():
@@ -117,8 +117,6 @@ def runners(path: Path, manifest: dict, graphs) -> dict:
 
 def vision(path: Path, manifest: dict, target):
     """The engine's vision graphs (one per image bucket) as a `prefill_inputs` for the Decoder."""
-    from glance_rt.export.vision import VisionGraphs
-
     return VisionGraphs(target, path, manifest, lambda p, info: _session(p, info, "portable")).prefill_inputs
 
 
@@ -138,32 +136,29 @@ def _optimize(out: Path, key: str, info: dict, flavor: str) -> None:
     info["exported"], info["file"] = info["file"], opt.name
 
 
-def build(decoder, out: Path, budgets, chain: bool, chunk: int, manifest: dict, progress: bool = True,
-          flavor: str = "portable", ort_include=None, image_sizes=()) -> None:
+def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, progress: bool = True,
+          flavor: str = "portable", ort_include=None, image_sizes=(), target=None) -> None:
     """Export the graphs (and a VLM's vision graphs, one per image size), then save each as ONNX
     Runtime's optimized graph. The plugin flavor first compiles the TreeAttention kernel library
     into the folder (`ort_include`: its C API headers)."""
     from importlib import metadata
 
-    from glance_rt.export.onnx import export_onnx
 
     if flavor == "plugin":
-        from glance_rt.engines import ort_plugin
 
         ort_plugin.build_library(out, ort_include)
         manifest["plugin_library"] = {"file": ort_plugin.LIBRARY, "source_sha256": ort_plugin.source_hash()}
     opset = manifest.setdefault("opset", 20)
-    graphs = export_onnx(decoder, out, budgets, chain, chunk, flavor, opset, progress)
-    for key, info in graphs.items():
+    exported = export_onnx(graphs, out, budgets, chain, chunk, flavor, opset, progress)
+    for key, info in exported.items():
         _optimize(out, key, info, flavor)
     if image_sizes:
-        from glance_rt.export.vision import export_vision
 
-        manifest["vision"] = export_vision(decoder.target, out, image_sizes, opset, progress)
+        manifest["vision"] = export_vision(target, out, image_sizes, opset, progress)
         for key, info in manifest["vision"].items():
             _optimize(out, key, info, "portable")
     libs = {"onnxruntime": metadata.version("onnxruntime"), "onnx": metadata.version("onnx")}
-    manifest.update(flavor=flavor, graphs=graphs, versions={**manifest["versions"], **libs},
+    manifest.update(flavor=flavor, graphs=exported, versions={**manifest["versions"], **libs},
                     session_options={"graph_optimization_level": "ORT_ENABLE_ALL",
                                      "providers": ["CPUExecutionProvider"], "session.intra_op.allow_spinning": "0",
                                      "intra_op_num_threads": "torch.get_num_threads() at load"})

@@ -1,4 +1,4 @@
-"""ONNX export of the static graphs (`glance_rt.passes.StaticGraphs`), tree attention as ONE node.
+"""ONNX export of the static graphs (`glance_rt.round.verify.StaticGraphs`), tree attention as ONE node.
 
 Every attention is a single `glance.TreeAttention` node (domain `glance`, version 1, attribute
 `scale`; inputs q [1, H, T, D], k, v [1, KVH, L, D], tree_mask [T, T] bool, prefix_len [] int64).
@@ -18,7 +18,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from glance_rt.errors import GlanceError
+from glance_rt.errors import GlanceError, require
+from glance_rt.export.manifest import FORMAT, describe_graphs, source, versions, write_manifest
+from glance_rt.export.vision import export_vision
+from glance_rt.round.tree import check_budget
+from glance_rt.round.verify import StaticShapes, example_inputs, static_graphs
 
 FLAVORS = ("portable", "plugin")
 DOMAIN, VERSION = "glance", 1
@@ -26,11 +30,9 @@ _SCHEMA = []
 
 
 def _onnxscript():
-    try:
-        import onnx  # noqa: F401
-        import onnxscript
-    except ImportError as e:
-        raise GlanceError("ONNX export needs onnx and onnxscript: pip install 'glance-rt[onnx]'") from e
+    require("onnx", "onnx", "onnxscript")
+    import onnxscript
+
     return onnxscript
 
 
@@ -142,32 +144,20 @@ def written_rows(graphs, name: str, args) -> torch.Tensor:
     return _Graph(graphs, name, 0).written(args)
 
 
-def _describe(info: dict) -> str:
-    lines = []
-    for g in info.values():
-        lines += [f"## {g['file']}", "", "| | name | shape | dtype |", "|---|---|---|---|"]
-        lines += [f"| in | {n} | {s} | {d} |" for n, s, d in g["inputs"]]
-        lines += [f"| out | {n} | {s} | {d} |" for n, s, d in g["outputs"]]
-        lines.append("")
-    return "\n".join(lines)
-
-
-def export_onnx(decoder, out, budgets, chain: bool, chunk: int, flavor: str = "portable", opset: int = 20,
+def export_onnx(graphs, out, budgets, chain: bool, chunk: int, flavor: str = "portable", opset: int = 20,
                 progress: bool = True) -> dict:
-    """Export every static graph of `decoder`'s target (+ drafter) into `out` (resumable: finished
-    graphs are kept; each is written to a temporary name, checked, then renamed)."""
+    """Export every graph of `graphs` (StaticGraphs of a target + drafter) into `out` (resumable:
+    finished graphs are kept; each is written to a temporary name, checked, then renamed)."""
+    require("onnx", "onnx", "onnxscript")
     import onnx
     from tqdm import tqdm
 
-    from glance_rt.passes import StaticGraphs, StaticShapes, example_inputs
 
     if flavor not in FLAVORS:
         raise GlanceError(f"unknown flavor {flavor!r}: choose {' or '.join(FLAVORS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    graphs = StaticGraphs(decoder.verifier, decoder.drafter)
-    block = decoder.drafter.block_size if decoder.drafter is not None else 1
-    jobs = example_inputs(graphs, StaticShapes(chunk, block), decoder.mrope, budgets, chain)
+    jobs = example_inputs(graphs, StaticShapes(chunk, graphs.block_size), budgets, chain)
     table, info = _translation(), {}
     bar = tqdm(jobs.items(), desc="onnx graphs", unit="graph", disable=not progress)
     for key, args in bar:
@@ -209,7 +199,7 @@ def export_onnx(decoder, out, budgets, chain: bool, chunk: int, flavor: str = "p
                                  for o in model.graph.output],
                      "tree_attention_nodes": sum(n.op_type == "TreeAttention" and n.domain == DOMAIN
                                                  for n in model.graph.node)}
-    (out / "GRAPHS.md").write_text("# ONNX graphs\n\n" + _describe(info))
+    (out / "GRAPHS.md").write_text("# ONNX graphs\n\n" + describe_graphs(info))
     return info
 
 
@@ -220,9 +210,7 @@ def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20
                  progress: bool = True, image_sizes=()) -> Path:
     """`glance-rt export`: ONNX graphs of `target` (+ `drafter`) and their manifest, in `out`;
     `image_sizes`: (W, H) image buckets to export a VLM's vision graphs for."""
-    from glance_rt.engines.manifest import FORMAT, source, versions, write_manifest
 
-    import glance_rt
 
     budgets = tuple(sorted(set(budgets))) if drafter is not None else (0,)
     out = Path(out)
@@ -230,12 +218,11 @@ def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20
         raise GlanceError(f"{out} already holds an export: pick another --out, or delete it to export again")
     if out.exists() and any(p.suffix not in (".onnx", ".data") for p in out.iterdir()):
         raise GlanceError(f"{out} is not empty and holds no unfinished export: pick an empty or new --out folder")
-    dec = glance_rt.Decoder(target, drafter, tree_budget=max(budgets) or 1, chain=chain, max_length=max_len,
-                            chunk=chunk, prepack=False)  # the plain weights: they are what gets traced
-    graphs = export_onnx(dec, out, budgets, chain, chunk, flavor, opset, progress)
+    for b in budgets:
+        check_budget(b or 1)
+    graphs = export_onnx(static_graphs(target, drafter, max_len), out, budgets, chain, chunk, flavor, opset, progress)
     vision = {}
     if image_sizes:
-        from glance_rt.export.vision import export_vision
 
         vision = export_vision(target, out, image_sizes, opset, progress)
     from importlib import metadata
@@ -244,7 +231,7 @@ def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20
 
     manifest = {"format": FORMAT, "backend": "onnx", "flavor": flavor, "opset": opset, "budgets": list(budgets),
                 "chain": chain, "max_len": max_len, "chunk": chunk,
-                "block_size": dec.drafter.block_size if drafter is not None else 1,
+                "block_size": drafter.block_size if drafter is not None else 1,
                 "tree_attention": {"domain": DOMAIN, "op_type": "TreeAttention", "version": VERSION},
                 "source": source(target, drafter), "versions": {**versions(), "onnx": onnx.__version__,
                                                                  "onnxscript": metadata.version("onnxscript")},

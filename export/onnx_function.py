@@ -1,6 +1,6 @@
 """glance.TreeAttention's body in standard ONNX ops (onnxscript; the portable flavor's function).
 
-Same math as `glance_rt.attention.tree_attention_reference`: visibility from prefix_len and the
+Same math as `glance_rt.models.attention.tree_attention_reference`: visibility from prefix_len and the
 tree mask, grouped-query heads folded as [1, KVH, G, T, D] against [1, KVH, 1, L, D].
 """
 

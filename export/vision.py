@@ -5,7 +5,7 @@ A bucket is one image size (W x H pixels) as the target's processor prepares it:
 shapes and, for Qwen2-VL-family targets, the patch grid. The grid and other size-derived inputs
 (image_grid_thw, image_sizes) are constants of the graph; the pixel tensors (pixel_values and, where
 the processor gives one, pixel_attention_mask) are its inputs; its output is the image features
-[N, H] in placeholder order, which `glance_rt.arch.merge_image_features` puts into the prompt. An
+[N, H] in placeholder order, which `glance_rt.hf.arch.merge_image_features` puts into the prompt. An
 image whose processed inputs match no bucket is refused with the sizes that exist.
 
 Qwen2-VL-family graphs are traced (the TorchScript-based exporter): their vision tower derives
@@ -23,6 +23,8 @@ import torch
 from torch import nn
 
 from glance_rt.errors import GlanceError
+from glance_rt.export.manifest import describe_graphs
+from glance_rt.hf.arch import merge_image_features
 
 VISION_ARCHS = ("qwen2_vl", "qwen2_5_vl", "llava", "llava_onevision", "idefics3", "smolvlm")
 PIXEL_INPUTS = ("pixel_values", "pixel_attention_mask")  # graph inputs
@@ -108,12 +110,11 @@ def export_vision(target, out: Path, sizes, opset: int, progress: bool = True) -
         shapes = [[n, list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in zip(names, pixels, strict=True)]
         info[key] = {"file": file.name, "image_size": list(size), "bucket": bucket, "inputs": shapes,
                      "outputs": [["image_features", list(feats.shape), str(feats.dtype).removeprefix("torch.")]]}
-    from glance_rt.export.onnx import _describe
 
     notes = "".join(f"- {info[k]['file']}: images of {w}x{h} pixels, bucket {info[k]['bucket']}\n"
                     for k, (w, h) in ((k, info[k]["image_size"]) for k in info))
     with open(out / "GRAPHS.md", "a") as f:
-        f.write("\n# Vision graphs\n\n" + notes + "\n" + _describe(info))
+        f.write("\n# Vision graphs\n\n" + notes + "\n" + describe_graphs(info))
     return info
 
 
@@ -127,8 +128,6 @@ class VisionGraphs:
         self.sizes = [tuple(info["image_size"]) for info in manifest["vision"].values()]
 
     def prefill_inputs(self, inputs: dict):
-        from glance_rt.arch import merge_image_features
-
         if inputs.get("pixel_values") is None:
             return self.target.prefill_inputs(inputs)
         found = self.graphs.get(bucket_key(inputs))

@@ -8,15 +8,16 @@ from glance_rt.errors import GlanceError
 __version__ = "0.1.0"
 
 _LAZY = {
-    "load_target": "glance_rt.target",
-    "Target": "glance_rt.target",
-    "init_drafter": "glance_rt.drafter",
-    "load_drafter": "glance_rt.drafter",
-    "GlanceDrafter": "glance_rt.drafter",
-    "DrafterConfig": "glance_rt.drafter",
-    "Decoder": "glance_rt.decoder",
-    "GenerateResult": "glance_rt.decoder",
-    "Stats": "glance_rt.decoder",
+    "load_target": "glance_rt.hf.target",
+    "Target": "glance_rt.hf.target",
+    "init_drafter": "glance_rt.models.drafter",
+    "load_drafter": "glance_rt.models.drafter",
+    "GlanceDrafter": "glance_rt.models.drafter",
+    "DrafterConfig": "glance_rt.models.drafter",
+    "Decoder": "glance_rt.round.loop",
+    "GenerateResult": "glance_rt.round.loop",
+    "Stats": "glance_rt.round.loop",
+    "Method": "glance_rt.method",
 }
 
 __all__ = ["GlanceError", "__version__", *_LAZY]

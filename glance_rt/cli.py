@@ -1,11 +1,14 @@
-"""The `glance-rt` command."""
+"""The `glance-rt` command. Commands import the runtime (torch, transformers) when they run, so that
+`glance-rt --help` stays instant."""
 
+import functools
 import sys
 import time
 
 import click
 
 from glance_rt.errors import GlanceError
+from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_TREE_BUDGET, Method, job_max_length
 
 # options shared by several commands
 TARGET = click.option("--target", "target_path", type=click.Path(), default=None,
@@ -14,11 +17,43 @@ DRAFTER = click.option("--drafter", "drafter_path", type=click.Path(), default=N
 DTYPE = click.option("--dtype", default="float32", show_default=True,
                      type=click.Choice(["float32", "bfloat16", "float16"]))
 DEVICE = click.option("--device", default="cpu", show_default=True)
-TREE_BUDGET = click.option("--tree-budget", default=8, show_default=True, type=int,
-                           help="Draft nodes verified per round.")
-LOOKUP = click.option("--lookup", default=3, show_default=True, type=int,
-                      help="Graft a prompt-lookup chain (n-grams up to N) into each tree; 0: the drafter alone. "
-                           "Not used for chains or autoregression.")
+MAX_LENGTH = click.option("--max-length", default=None, type=int,
+                          help="Static cache rows (default: sized to the job: longest prompt + new tokens + a round).")
+
+
+def method_options(command):
+    """The options that say what to run, shared by generate and audit (bench names methods instead,
+    `--methods`): they become one `glance_rt.method.Method` with the Python API's defaults."""
+
+    @functools.wraps(command)
+    def wrapper(*args, tree_budget, chain, lookup, backend, engine_dir, **kw):
+        try:
+            if tree_budget is None and engine_dir is None:
+                tree_budget = DEFAULT_TREE_BUDGET
+            method = Method(kind="chain" if chain else "tree", tree_budget=tree_budget, lookup=lookup,
+                            backend=backend, engine=engine_dir)
+        except GlanceError as e:
+            raise click.ClickException(str(e)) from e
+        return command(*args, method=method, **kw)
+
+    options = [
+        click.option("--tree-budget", default=None, type=int,
+                     help=f"Draft nodes verified per round (default: {DEFAULT_TREE_BUDGET}; an engine's largest)."),
+        click.option("--chain", is_flag=True, help="Verify a width-1 chain (DFlash-style) instead of a tree."),
+        click.option("--lookup", default=None, type=int,
+                     help=f"Graft a prompt-lookup chain (n-grams up to N) into each tree; 0: the drafter alone "
+                          f"(default: {DEFAULT_LOOKUP} on a drafter's trees, none for chains and autoregression)."),
+        click.option("--backend", default="eager", show_default=True, type=click.Choice(["eager", "compile"]),
+                     help="compile: fixed-shape passes under torch.compile (CUDA graphs on a GPU)."),
+        click.option("--engine", "engine_dir", type=click.Path(), default=None,
+                     help="Run a built engine (glance-rt build-engine); its manifest sets budgets, shapes and "
+                          "sources (--target/--drafter override them)."),
+    ]
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
+
+
 SUITE = click.option("--suite", default="all", show_default=True,
                      help="'all', a task kind (held-out prompts of the shipped corpus), or a JSONL file.")
 def _image_size(ctx, param, values):
@@ -46,15 +81,16 @@ def main():
 
 
 def _load(target_path, drafter_path, dtype, device):
-    import glance_rt
-    from glance_rt.embedded import DEFAULT_NAME
+    from glance_rt.hf.embedded import DEFAULT_NAME
+    from glance_rt.hf.target import load_target
+    from glance_rt.models.drafter import load_drafter
 
-    target = glance_rt.load_target(target_path, dtype=dtype, device=device)
+    target = load_target(target_path, dtype=dtype, device=device)
     if drafter_path is not None:
-        return target, glance_rt.load_drafter(drafter_path, target)
+        return target, load_drafter(drafter_path, target)
     if target_path is None:
         try:
-            return target, glance_rt.load_drafter(None, target)
+            return target, load_drafter(None, target)
         except GlanceError as e:
             click.echo(f"[glance-rt] {e}", err=True)
             click.echo(f"[glance-rt] decoding {DEFAULT_NAME} autoregressively (same engine, no drafter)", err=True)
@@ -69,32 +105,26 @@ def _load(target_path, drafter_path, dtype, device):
 @click.option("--image", "images", type=click.Path(), multiple=True, help="Image file (repeatable).")
 @click.option("--prompt", required=True, help="The user message.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
-@TREE_BUDGET
-@click.option("--chain", is_flag=True, help="Verify a width-1 chain (DFlash-style) instead of a tree.")
-@LOOKUP
-@click.option("--max-length", default=2048, show_default=True, type=int, help="Static cache rows.")
+@method_options
+@MAX_LENGTH
 @DTYPE
 @DEVICE
-@click.option("--backend", default="eager", show_default=True, type=click.Choice(["eager", "compile"]),
-              help="compile: fixed-shape passes under torch.compile (CUDA graphs on a GPU).")
-@click.option("--engine", "engine_dir", type=click.Path(), default=None,
-              help="Run a built engine (glance-rt build-engine); its manifest sets budget, shapes and sources.")
 @click.option("--stats", is_flag=True, help="Print acceptance and timing statistics after the answer.")
-def generate(target_path, drafter_path, images, prompt, max_new_tokens, tree_budget, chain, lookup, max_length,
-             dtype, device, backend, engine_dir, stats):
+@click.option("--compare", is_flag=True,
+              help="Warm up, then also run the same engine autoregressively: tokens/s of both, tau, and a check "
+                   "that the tokens are identical.")
+def generate(target_path, drafter_path, images, prompt, max_new_tokens, method, max_length, dtype, device, stats,
+             compare):
     """Stream the target's exact greedy answer to PROMPT, drafted and tree-verified."""
-    try:
-        from glance_rt.decoder import Decoder
+    from glance_rt.files import open_image
 
-        if engine_dir is not None:
-            dec = _engine_decoder(engine_dir, target_path, drafter_path, lookup)
-            target = dec.target
-        else:
-            target, drafter = _load(target_path, drafter_path, dtype, device)
-            dec = Decoder(target, drafter, tree_budget=tree_budget, chain=chain, max_length=max_length,
-                          backend=backend, lookup=_tree_lookup(lookup, drafter is not None, chain))
-        pil = [_open_image(p) for p in images]
-        inputs = target.encode_chat(prompt, pil)
+    try:
+        pil = [open_image(p) for p in images]
+        target, dec, (inputs,) = _method_decoder(method, target_path, drafter_path, dtype, device, max_length,
+                                                 lambda t: [t.encode_chat(prompt, pil)], max_new_tokens)
+        if compare:
+            click.echo(f"[glance-rt] warming up {_describe(dec)} (compiles or loads every graph) ...", err=True)
+            dec.warmup()
         start = time.perf_counter()
         stream = dec.stream(max_new_tokens=max_new_tokens, **inputs)
         for piece in stream:
@@ -102,6 +132,8 @@ def generate(target_path, drafter_path, images, prompt, max_new_tokens, tree_bud
             sys.stdout.flush()
         click.echo()
         elapsed = time.perf_counter() - start
+        if compare:
+            _compare_with_ar(dec, inputs, max_new_tokens, stream.result, elapsed)
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     if stats:
@@ -113,6 +145,35 @@ def generate(target_path, drafter_path, images, prompt, max_new_tokens, tree_bud
             err=True,
         )
         click.echo("[stats] seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in s.timings.items()), err=True)
+
+
+def _describe(dec) -> str:
+    what = "autoregression" if dec.drafter is None else "a chain" if dec.chain else f"trees of {dec.tree_budget}"
+    lookup = f" + prompt lookup {dec.lookup}" if dec.lookup else ""
+    return f"{what}{lookup}, {dec.backend.name}"
+
+
+def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed) -> None:
+    """The same engine without a drafter (same backend, caches and shapes), warmed up, on the same
+    prompt: tokens/s of both, tau, and whether the tokens are identical (they must be)."""
+    from glance_rt.round.loop import Decoder
+
+    if dec.drafter is None:
+        raise GlanceError("--compare compares GLANCE with autoregression: it needs a drafter")
+    ar = Decoder(dec.target, None, max_length=dec.max_length, backend=dec.backend)
+    click.echo(f"[glance-rt] warming up {_describe(ar)} ...", err=True)
+    ar.warmup()
+    start = time.perf_counter()
+    ref = ar.generate(max_new_tokens=max_new_tokens, **inputs)
+    ar_elapsed = time.perf_counter() - start
+    n, m = len(result.token_ids), len(ref.token_ids)
+    same = result.token_ids == ref.token_ids
+    click.echo(f"GLANCE ({_describe(dec)}): {n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, "
+               f"tau {result.stats.mean_accepted:.2f} tokens per round ({result.stats.rounds} rounds)")
+    click.echo(f"autoregressive (same engine):   {m} tokens in {ar_elapsed:.2f} s, {m / ar_elapsed:.1f} tok/s")
+    click.echo(f"speed-up {n / elapsed / (m / ar_elapsed):.2f}x; tokens identical: {'yes' if same else 'NO'}")
+    if not same:
+        raise GlanceError("GLANCE's tokens differ from autoregression's: this is a bug, please report it")
 
 
 @main.command()
@@ -149,9 +210,9 @@ def train(target_path, prompts, images, out, num_layers, block_size, target_laye
           eval_per_kind, eval_budget, eval_lookup, limit, per_kind, no_bf16, draft_vocab, resume):
     """Train a GLANCE drafter for a target by self-distillation (resumable; torchrun for data parallel)."""
     try:
-        import glance_rt
-        from glance_rt.train import TrainConfig
-        from glance_rt.train import train as run_training
+        from glance_rt.hf.target import load_target
+        from glance_rt.tools.train import TrainConfig
+        from glance_rt.tools.train import train as run_training
 
         ids = tuple(int(x) for x in target_layer_ids.split(",")) if target_layer_ids else None
         cfg = TrainConfig(out=out, prompts=prompts, images=images, num_layers=num_layers, block_size=block_size,
@@ -160,7 +221,7 @@ def train(target_path, prompts, images, out, num_layers, block_size, target_laye
                           seed=seed, save_every=save_every, eval_every=eval_every, eval_per_kind=eval_per_kind,
                           eval_budget=eval_budget, eval_lookup=eval_lookup, limit=limit, per_kind=per_kind,
                           bf16=not no_bf16, draft_vocab=draft_vocab or None, resume=resume)
-        target = glance_rt.load_target(target_path)
+        target = load_target(target_path)
         _, result = run_training(target, cfg)
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
@@ -178,31 +239,28 @@ def train(target_path, prompts, images, out, num_layers, block_size, target_laye
 @click.option("--per-kind", default=8, show_default=True, type=int, help="At most N prompts of each kind.")
 @SUITE_IMAGES
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
-@TREE_BUDGET
-@click.option("--chain", is_flag=True)
-@LOOKUP
+@method_options
+@MAX_LENGTH
 @DTYPE
 @DEVICE
 @click.option("--threshold", default=None, type=float,
               help="Fail only on divergences whose top-1/top-2 margin exceeds this (default: any divergence).")
 @click.option("--json", "json_out", type=click.Path(), default=None, help="Write the per-prompt report here.")
-def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, tree_budget, chain, lookup, dtype,
-          device, threshold, json_out):
+def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, method, max_length, dtype, device,
+          threshold, json_out):
     """Check every output against HF greedy decoding; exit 1 on a divergence (above --threshold)."""
     import json
 
-    from glance_rt import audit as audit_mod
-    from glance_rt.decoder import Decoder
-    from glance_rt.suites import suite_rows
+    from glance_rt.tools import audit as audit_mod
+    from glance_rt.tools.suites import encode_rows, suite_rows
 
     try:
-        target, drafter = _load(target_path, drafter_path, dtype, device)
         rows = suite_rows(suite, per_kind)
-        dec = Decoder(target, drafter, tree_budget=tree_budget, chain=chain, max_length=4096,
-                      lookup=_tree_lookup(lookup, drafter is not None, chain))
+        target, dec, encoded = _method_decoder(method, target_path, drafter_path, dtype, device, max_length,
+                                               lambda t: encode_rows(t, rows, images), max_new_tokens)
         results = []
         try:
-            for r in audit_mod.audit(target, dec, rows, max_new_tokens, images):
+            for r in audit_mod.audit(target, dec, rows, encoded, max_new_tokens):
                 results.append(r)
                 line = "exact" if r.exact else (f"DIVERGES at token {r.divergence}: expected {r.expected}, "
                                                 f"got {r.got}, margin {r.margin:.4f}")
@@ -214,16 +272,17 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, tr
     bad = audit_mod.failures(results, threshold)
     exact = sum(r.exact for r in results)
     click.echo(f"[audit] {exact}/{len(results)} exact; {len(bad)} failing divergence(s) "
-               f"({'any divergence fails' if threshold is None else f'margin > {threshold}'}); dtype {dtype}")
+               f"({'any divergence fails' if threshold is None else f'margin > {threshold}'}); "
+               f"{_describe(dec)}; dtype {str(target.dtype).removeprefix('torch.')}")
     if json_out:
-        from pathlib import Path
+        from glance_rt.files import atomic_write
 
-        from glance_rt.train import atomic_write
-
-        report = audit_mod.to_json(results, {"target": target.name, "dtype": dtype, "threshold": threshold,
-                                             "tree_budget": tree_budget, "chain": chain,
-                                             "drafter": drafter_path or ("default" if drafter else None)})
-        atomic_write(Path(json_out), lambda p: p.write_text(json.dumps(report, indent=2)))
+        report = audit_mod.to_json(results, {"target": target.name, "dtype": str(target.dtype).removeprefix("torch."),
+                                             "threshold": threshold, "method": method.name,
+                                             "tree_budget": dec.tree_budget, "chain": dec.chain, "lookup": dec.lookup,
+                                             "backend": dec.backend.name, "engine": method.engine,
+                                             "drafter": drafter_path or ("default" if dec.drafter else None)})
+        atomic_write(json_out, lambda p: p.write_text(json.dumps(report, indent=2)))
     if bad:
         raise SystemExit(1)
 
@@ -251,8 +310,8 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, tr
 def bench(target_path, drafter_path, suite, per_kind, images, methods, max_new_tokens, warmup, dtype, device,
           engines, engine_lookup, json_out, report_md, plot_dir):
     """Methods side by side in one process, interleaved per prompt, every output checked against HF greedy."""
-    from glance_rt import bench as bench_mod
-    from glance_rt.suites import suite_rows
+    from glance_rt.tools import bench as bench_mod
+    from glance_rt.tools.suites import suite_rows
 
     try:
         target, drafter = _load(target_path, drafter_path, dtype, device)
@@ -269,26 +328,38 @@ def bench(target_path, drafter_path, suite, per_kind, images, methods, max_new_t
         raise SystemExit(1)
 
 
-def _engine_decoder(engine_dir, target_path, drafter_path, lookup: int = 0):
-    """Decoder.from_engine, with --target/--drafter overriding the sources its manifest names."""
-    import glance_rt
-    from glance_rt.engines.manifest import read_manifest
+def _method_decoder(method: Method, target_path, drafter_path, dtype, device, max_length, encode, max_new_tokens):
+    """-> (target, the Decoder that runs `method`, the job's encoded prompts `encode(target)`). The
+    static caches are sized to the job (`glance_rt.method.job_max_length`) unless --max-length is
+    given; an engine's are its manifest's, its target and drafter its sources unless overridden."""
+    from glance_rt.round.loop import Decoder
 
-    m = read_manifest(engine_dir)
+    if method.engine is not None:
+        dec = _engine_decoder(method, target_path, drafter_path)
+        return dec.target, dec, encode(dec.target)
+    target, drafter = _load(target_path, drafter_path, dtype, device)
+    encoded = encode(target)
+    if max_length is None:
+        longest = max(e["input_ids"].shape[1] for e in encoded)
+        max_length = job_max_length(longest, max_new_tokens, [method.tree_budget])
+    return target, Decoder.from_method(method, target, drafter, max_length), encoded
+
+
+def _engine_decoder(method: Method, target_path, drafter_path):
+    """Decoder.from_engine, with --target/--drafter overriding the sources its manifest names."""
+    from glance_rt.export.manifest import read_manifest
+    from glance_rt.hf.target import load_target
+    from glance_rt.models.drafter import load_drafter
+    from glance_rt.round.loop import Decoder
+
+    m = read_manifest(method.engine)
     target = drafter = None
     if target_path is not None or drafter_path is not None:
-        target = glance_rt.load_target(target_path or m["target_source"], dtype=m["source"]["dtype"],
-                                       device=m["source"]["device"])
+        target = load_target(target_path or m["target_source"], dtype=m["source"]["dtype"],
+                             device=m["source"]["device"])
     if drafter_path is not None:
-        drafter = glance_rt.load_drafter(drafter_path, target)
-    lookup = _tree_lookup(lookup, m["source"]["drafter_weights"] is not None, m["chain"])
-    return glance_rt.Decoder.from_engine(engine_dir, target, drafter, lookup=lookup)
-
-
-def _tree_lookup(lookup: int, has_drafter: bool, chain: bool) -> int:
-    """The --lookup option where it applies: prompt lookup grafts onto a drafter's trees, so chains
-    and autoregression run without it (the CLI default would otherwise be refused by Decoder)."""
-    return lookup if has_drafter and not chain else 0
+        drafter = load_drafter(drafter_path, target)
+    return Decoder.from_method(method, target, drafter)
 
 
 @main.command("build-engine")
@@ -366,15 +437,6 @@ def export(target_path, drafter_path, out, budgets, chain, max_length, chunk, op
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"onnx: {out} ({flavor}, opset {opset}, {time.perf_counter() - start:.0f} s); graphs in {out}/GRAPHS.md")
-
-
-def _open_image(path):
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        return Image.open(path).convert("RGB")
-    except (OSError, UnidentifiedImageError) as e:
-        raise GlanceError(f"could not open image {path!r} ({e}); give a PNG/JPEG file") from e
 
 
 if __name__ == "__main__":

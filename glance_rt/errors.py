@@ -8,3 +8,13 @@ class GlanceError(ValueError):
     fit the static cache, image/placeholder mismatches, corrupt or missing checkpoints, and
     out-of-range budgets or block sizes.
     """
+
+
+def require(extra: str, *modules: str) -> None:
+    """Refuse, with the install command, a feature whose optional dependencies are missing."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise GlanceError(f"this needs {' and '.join(missing)}, which glance-rt's {extra!r} extra installs: "
+                          f"pip install 'glance-rt[{extra}]'")

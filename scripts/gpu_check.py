@@ -55,7 +55,7 @@ def build_target(cfg: dict, dtype, device):
 def pass_figures(target, drafter, backend: str, args, device) -> dict:
     """Latencies of one round's passes at a `args.context`-row prefix."""
     import glance_rt
-    from glance_rt.tree import build_tree
+    from glance_rt.round.tree import build_tree
 
     fig = {}
     prompt = torch.randint(0, target.vocab_size, (1, args.context), device=device)
@@ -75,7 +75,7 @@ def pass_figures(target, drafter, backend: str, args, device) -> dict:
 def budget_figures(target, drafter, backend: str, budget: int, pre, args, device) -> dict:
     """Draft, verify and whole-round latencies at one tree budget."""
     import glance_rt
-    from glance_rt.tree import build_tree
+    from glance_rt.round.tree import build_tree
 
     fig = {}
     dec = glance_rt.Decoder(target, drafter, tree_budget=budget, max_length=args.max_length, backend=backend)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from glance_rt.arch import extend_inputs  # noqa: F401  (re-exported for tests)
+from glance_rt.hf.arch import extend_inputs  # noqa: F401  (re-exported for tests)
 
 torch.set_num_threads(2)
 
@@ -18,6 +18,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda():
             item.add_marker(skip_gpu)
+
+
+@functools.cache
+def corpus_builder():
+    """scripts/build_corpus.py (the tool that builds the shipped prompt corpus) as a module."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "build_corpus.py"
+    spec = importlib.util.spec_from_file_location("build_corpus", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["build_corpus"] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.cache

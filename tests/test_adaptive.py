@@ -3,7 +3,7 @@
 import pytest
 
 import glance_rt
-from glance_rt.adaptive import AdaptiveBudget, Bucket, calibrate
+from glance_rt.round.adaptive import AdaptiveBudget, Bucket, calibrate
 from tests.conftest import OracleDrafter, hf_greedy, tiny_target
 from tests.tiny_models import make_inputs
 

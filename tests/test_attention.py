@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from glance_rt.attention import tree_attention, tree_attention_reference
+from glance_rt.models.attention import tree_attention, tree_attention_reference
 
 
 def naive(q, k, v, tree_mask, prefix_len: int, scale: float):

@@ -7,8 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 import glance_rt
-from glance_rt.audit import AuditRow, audit_prompt, failures, first_divergence
 from glance_rt.cli import main
+from glance_rt.tools.audit import AuditRow, audit_prompt, failures, first_divergence
 from tests.conftest import hf_greedy, tiny_target
 from tests.tiny_models import make_inputs, make_tiny
 
@@ -77,8 +77,29 @@ def test_cli_audit_exit_status_and_report(tmp_path, monkeypatch):
     assert r.exit_code == 0  # divergences only at margins below the threshold are tolerated
 
 
+def test_cli_audit_compiled_backend(tmp_path):
+    """audit runs every way of running: here the torch.compile passes (engines: test_engines)."""
+    import torch
+
+    torch._dynamo.reset()
+    model, processor = make_tiny("llama")
+    model.save_pretrained(tmp_path / "m")
+    processor.save_pretrained(tmp_path / "m")
+    target = glance_rt.load_target(tmp_path / "m")
+    glance_rt.init_drafter(target, block_size=4).save(tmp_path / "d")
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text("".join(json.dumps({"prompt": p, "kind": "chat"}) + "\n" for p in ["Hi there.", "Copy: a b c."]))
+    r = CliRunner().invoke(main, ["audit", "--target", str(tmp_path / "m"), "--drafter", str(tmp_path / "d"),
+                                  "--suite", str(suite), "--max-new-tokens", "12", "--backend", "compile",
+                                  "--json", str(tmp_path / "a.json")])
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "a.json").read_text())
+    assert report["exact"] == report["total"] == 2
+    assert (report["method"], report["backend"], report["lookup"]) == ("tree-8+lookup@compile", "compile", 3)
+
+
 def test_unknown_suite():
-    from glance_rt.suites import suite_rows
+    from glance_rt.tools.suites import suite_rows
 
     with pytest.raises(glance_rt.GlanceError, match="unknown suite"):
         suite_rows("nope")
@@ -90,4 +111,6 @@ def test_unknown_suite():
 def test_row_is_json_serialisable():
     from dataclasses import asdict
 
-    json.dumps(asdict(AuditRow(id="a", kind="b", exact=True, tokens=1, reference_tokens=1)))
+    row = AuditRow(id="a", kind="b", exact=False, tokens=3, reference_tokens=4, divergence=2, margin=0.5, expected=7,
+                   got=9)
+    assert AuditRow(**json.loads(json.dumps(asdict(row)))) == row

@@ -8,8 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 import glance_rt
-from glance_rt.bench import SCHEMA, BenchConfig, fit_law, markdown, run_bench, write_outputs
 from glance_rt.cli import main
+from glance_rt.tools.bench import SCHEMA, BenchConfig, fit_law, markdown, run_bench, write_outputs
 from tests.conftest import tiny_target
 from tests.tiny_models import make_tiny
 
@@ -113,8 +113,7 @@ def test_cli_bench(tmp_path):
 
 def test_compiled_and_engine_methods_are_compared_with_their_eager_method(tmp_path):
     from glance_rt.engines.engine import build_engine
-
-    from glance_rt.bench import suite_max_length
+    from glance_rt.tools.bench import suite_max_length
 
     target, _, _ = tiny_target("llama")
     drafter = glance_rt.init_drafter(target, block_size=4, seed=1)

@@ -68,6 +68,25 @@ def test_generate_with_drafter_and_image(root, tmp_path):
     assert "draft passes" in result.stderr
 
 
+def test_generate_compare_warms_up_and_checks_against_autoregression(root, tmp_path):
+    """The demo's command: GLANCE's answer, then the same engine autoregressively, both warmed up:
+    tokens/s of both, tau, and the tokens identical."""
+    path = model_folder("qwen3", root)
+    target = glance_rt.load_target(path)
+    glance_rt.init_drafter(target, block_size=4).save(tmp_path / "drafter")
+    inputs = target.encode_chat("Hello there.")
+    ref = hf_greedy(target.hf_model, inputs, 14)
+    result = CliRunner().invoke(main, ["generate", "--target", path, "--drafter", str(tmp_path / "drafter"),
+                                       "--prompt", "Hello there.", "--max-new-tokens", "14", "--compare"])
+    assert result.exit_code == 0, result.output
+    assert target.decode(ref).strip() in result.stdout
+    assert "warming up" in result.stderr and "tokens identical: yes" in result.stdout
+    assert f"GLANCE (trees of 8 + prompt lookup 3, eager): {len(ref)} tokens" in result.stdout
+    assert f"autoregressive (same engine):   {len(ref)} tokens" in result.stdout
+    result = CliRunner().invoke(main, ["generate", "--target", path, "--prompt", "Hi", "--compare"])
+    assert result.exit_code != 0 and "needs a drafter" in result.output
+
+
 def test_bad_inputs_give_clear_errors(root, tmp_path):
     path = model_folder("qwen3", root)
     runner = CliRunner()

@@ -5,8 +5,11 @@ from collections import Counter
 
 import pytest
 
-from glance_rt import corpus
 from glance_rt.errors import GlanceError
+from glance_rt.tools.suites import KINDS, default_corpus_path, read_prompts
+from tests.conftest import corpus_builder
+
+corpus = corpus_builder()
 
 PER_KIND = 500
 
@@ -26,9 +29,9 @@ def _units(source: str) -> list[str]:
 def test_counts_per_kind_and_split(rows):
     counts = Counter((r["kind"], r["split"]) for r in rows)
     held = corpus.heldout_count(PER_KIND)
-    assert corpus.KINDS == ("extraction", "conversion", "grounded_qa", "code", "chat")
-    assert len(rows) == PER_KIND * len(corpus.KINDS) >= 2000
-    for kind in corpus.KINDS:
+    assert KINDS == ("extraction", "conversion", "grounded_qa", "code", "chat")
+    assert len(rows) == PER_KIND * len(KINDS) >= 2000
+    for kind in KINDS:
         assert counts[(kind, "train")] == PER_KIND - held >= 400
         assert counts[(kind, "heldout")] == held >= 0.1 * PER_KIND
 
@@ -61,7 +64,7 @@ def test_build_is_deterministic(rows):
 
 def test_write_then_read_round_trip(rows, tmp_path):
     path = corpus.write_corpus(tmp_path / "sub" / "prompts.jsonl", rows[:50])
-    assert corpus.read_prompts(path) == rows[:50]
+    assert read_prompts(path) == rows[:50]
     assert [p.name for p in path.parent.iterdir()] == ["prompts.jsonl"]  # no temp file left behind
 
 
@@ -73,20 +76,20 @@ def _write(tmp_path, text: str):
 
 def test_read_prompts_empty_file(tmp_path):
     with pytest.raises(GlanceError, match="line 1.*empty"):
-        corpus.read_prompts(_write(tmp_path, "\n  \n"))
+        read_prompts(_write(tmp_path, "\n  \n"))
 
 
 def test_read_prompts_bad_json_names_line(tmp_path):
     text = '{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"\n'
     with pytest.raises(GlanceError, match="line 3.*malformed JSON"):
-        corpus.read_prompts(_write(tmp_path, text))
+        read_prompts(_write(tmp_path, text))
 
 
 @pytest.mark.parametrize("row", [{"kind": "chat"}, {"prompt": ""}, {"prompt": "   "}, {"prompt": 3}])
 def test_read_prompts_missing_prompt(tmp_path, row):
     text = '{"prompt": "ok"}\n' + json.dumps(row) + "\n"
     with pytest.raises(GlanceError, match='line 2.*"prompt"'):
-        corpus.read_prompts(_write(tmp_path, text))
+        read_prompts(_write(tmp_path, text))
 
 
 @pytest.mark.parametrize("row, field", [
@@ -97,12 +100,12 @@ def test_read_prompts_missing_prompt(tmp_path, row):
 ])
 def test_read_prompts_bad_fields(tmp_path, row, field):
     with pytest.raises(GlanceError, match=f"line 1.*{field}"):
-        corpus.read_prompts(_write(tmp_path, json.dumps(row) + "\n"))
+        read_prompts(_write(tmp_path, json.dumps(row) + "\n"))
 
 
 def test_read_prompts_defaults_and_extras(tmp_path):
     text = '{"prompt": "Describe.", "images": ["a.png"], "kind": "extraction", "extra": 1}\n\n{"prompt": "Hi"}\n'
-    got = corpus.read_prompts(_write(tmp_path, text))
+    got = read_prompts(_write(tmp_path, text))
     assert got == [
         {"prompt": "Describe.", "images": ["a.png"], "kind": "extraction", "extra": 1, "id": "line-1"},
         {"prompt": "Hi", "id": "line-3"},
@@ -111,15 +114,15 @@ def test_read_prompts_defaults_and_extras(tmp_path):
 
 def test_read_prompts_missing_file(tmp_path):
     with pytest.raises(GlanceError, match="no such prompts file"):
-        corpus.read_prompts(tmp_path / "absent.jsonl")
+        read_prompts(tmp_path / "absent.jsonl")
 
 
 def test_shipped_corpus_loads():
-    path = corpus.default_corpus_path()
-    shipped = corpus.read_prompts(path)
+    path = default_corpus_path()
+    shipped = read_prompts(path)
     assert len(shipped) >= 2000
     counts = Counter((r["kind"], r["split"]) for r in shipped)
-    for kind in corpus.KINDS:
+    for kind in KINDS:
         assert counts[(kind, "train")] >= 400
         assert counts[(kind, "heldout")] >= 0.1 * (counts[(kind, "train")] + counts[(kind, "heldout")])
     train = {u for r in shipped if r["split"] == "train" for u in _units(r["source"])}

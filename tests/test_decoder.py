@@ -34,6 +34,8 @@ def case(arch: str, variant: str, new: int = NEW):
 
 
 def run(target, inputs, drafter, new=NEW, **kw):
+    """These tests' configuration: budget 32 and the drafter's tree alone unless a test says otherwise."""
+    kw = {"tree_budget": 32, "lookup": 0, **kw}
     return glance_rt.Decoder(target, drafter, **kw).generate(max_new_tokens=new, **inputs)
 
 
@@ -133,7 +135,7 @@ def test_stream_pieces_join_to_text():
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2_vl", "qwen2_5_vl", "llava", "smolvlm"])
 def test_logits_match_hf_at_prefill_and_verify(arch, monkeypatch):
     """Our decoder's logits == the HF model's, at prefill and at every verified tree row checked."""
-    import glance_rt.decoder as dmod
+    import glance_rt.round.loop as dmod
 
     target, model, processor = tiny_target(arch)
     inputs = make_inputs(arch, processor, n_images=1 if arch in VLM_ARCHS else 0)
@@ -185,9 +187,9 @@ def test_accepted_paths_off_rank0_are_compacted(arch):
 def test_drafter_context_is_the_targets_features(arch):
     """The drafter's context cache holds exactly the projections of the target's hidden states of
     the committed rows (what training sees), whatever path each round accepted."""
-    from glance_rt.draft import DraftPass
-    from glance_rt.drafter import rope_tables
-    from glance_rt.model import apply_rope
+    from glance_rt.models.drafter import rope_tables
+    from glance_rt.models.target import apply_rope
+    from glance_rt.round.draft import DraftPass
 
     target, inputs, ref = case(arch, "1img" if arch in VLM_ARCHS else "text")
     _, model, _ = tiny_target(arch)
@@ -239,7 +241,7 @@ def test_prompt_lookup_trees_are_lossless(arch, budget, monkeypatch):
     """Lookup chains grafted into the drafter's trees give the same tokens. Each round's lookup sees
     the prompt ids + every committed token; where the chain is the true continuation (an oracle in
     place of the n-gram match), the verify pass accepts it, deeper than the untrained drafter."""
-    import glance_rt.decoder as dm
+    import glance_rt.round.loop as dm
 
     target, inputs, ref = case(arch, "1img" if arch in VLM_ARCHS else "text", 48)
     drafter = glance_rt.init_drafter(target, num_layers=1, block_size=6, seed=3)

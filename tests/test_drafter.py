@@ -7,7 +7,7 @@ import torch
 
 import glance_rt
 from glance_rt import GlanceError
-from glance_rt.drafter import build_target_layer_ids, read_drafter
+from glance_rt.models.drafter import build_target_layer_ids, read_drafter
 from tests.conftest import tiny_target, vocab_drafter
 from tests.tiny_models import make_inputs
 
@@ -104,9 +104,9 @@ def test_draft_vocab_columns_are_the_full_heads_columns(tmp_path):
     full-vocabulary logits, and the tree is the one the full logits give outside-vocab tokens masked."""
     from dataclasses import replace
 
-    from glance_rt.draft import DraftPass
-    from glance_rt.drafter import GlanceDrafter
-    from glance_rt.tree import build_tree
+    from glance_rt.models.drafter import GlanceDrafter
+    from glance_rt.round.draft import DraftPass
+    from glance_rt.round.tree import build_tree
 
     target, _, _ = tiny_target("qwen3")
     sub = vocab_drafter(target, 37, num_layers=2, block_size=6)

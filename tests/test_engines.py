@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 from click.testing import CliRunner
-from glance_rt.engines.engine import build_engine
 
 import glance_rt
 from glance_rt.cli import main
+from glance_rt.engines.engine import build_engine
 from tests.conftest import hf_greedy, tiny_target, vocab_drafter
 from tests.test_cli import model_folder
 from tests.tiny_models import VLM_ARCHS, make_inputs
@@ -37,7 +37,7 @@ def test_aoti_engine_is_lossless(llama_engine, budget):
     target, model, tok = tiny_target("llama")
     inputs = make_inputs("llama", tok)
     dec = glance_rt.Decoder.from_engine(llama_engine, target, drafter_for(target), tree_budget=budget)
-    assert dec.backend == "aoti"
+    assert dec.backend.name == "aoti"
     assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(model, inputs, NEW)
     other = make_inputs("llama", tok, prompt="A longer prompt, longer than the engine's chunk of eight rows.")
     prefill, calls = dec.passes.fns["prefill"], []
@@ -137,3 +137,12 @@ def test_cli_build_engine_then_generate(tmp_path_factory, tmp_path):
                                        "--max-new-tokens", "12", "--stats"])
     assert result.exit_code == 0, result.output
     assert want.strip() in result.stdout and "draft passes" in result.stderr
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text("".join(json.dumps({"prompt": p, "kind": "chat"}) + "\n" for p in ["Hi.", "Copy: a b."]))
+    for budget in ("4", "8"):  # audit runs the engine as generate does, at each of its budgets
+        result = CliRunner().invoke(main, ["audit", "--engine", str(out), "--suite", str(suite), "--max-new-tokens",
+                                           "12", "--tree-budget", budget, "--json", str(tmp_path / "a.json")])
+        assert result.exit_code == 0, result.output
+        report = json.loads((tmp_path / "a.json").read_text())
+        assert report["exact"] == report["total"] == 2 and report["backend"] == "aoti"
+        assert report["tree_budget"] == int(budget)

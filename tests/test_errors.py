@@ -96,3 +96,31 @@ def test_max_new_tokens_must_be_positive():
     target, _, tok = tiny_target("llama")
     with pytest.raises(GlanceError, match="max_new_tokens"):
         glance_rt.Decoder(target).generate(max_new_tokens=0, **make_inputs("llama", tok))
+
+
+def test_missing_optional_dependency_names_the_install_command(monkeypatch, tmp_path):
+    """An optional extra that is not installed: GlanceError with the pip command, not a traceback."""
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    from glance_rt.cli import main
+    from glance_rt.errors import require
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnx" else real(name, *a))
+    with pytest.raises(GlanceError, match=r"needs onnx, .*pip install 'glance-rt\[onnx\]'"):
+        require("onnx", "onnx", "onnxruntime")
+    target, _, _ = tiny_target("llama")
+    from glance_rt.engines.engine import build_engine
+
+    with pytest.raises(GlanceError, match=r"pip install 'glance-rt\[onnx\]'"):
+        build_engine(target, None, tmp_path / "e", backend="onnxruntime", progress=False)
+    from tests.tiny_models import make_tiny
+
+    model, processor = make_tiny("llama")
+    model.save_pretrained(tmp_path / "m")
+    processor.save_pretrained(tmp_path / "m")
+    r = CliRunner().invoke(main, ["build-engine", "--backend", "onnxruntime", "--target", str(tmp_path / "m"),
+                                  "--out", str(tmp_path / "c")])
+    assert r.exit_code == 1 and "pip install 'glance-rt[onnx]'" in r.output and "Traceback" not in r.output

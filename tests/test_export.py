@@ -10,11 +10,11 @@ import onnx
 import pytest
 import torch
 from click.testing import CliRunner
-from glance_rt.export.onnx import export_model, written_rows
 
 import glance_rt
 from glance_rt.cli import main
-from glance_rt.passes import StaticGraphs, StaticShapes, example_inputs
+from glance_rt.export.onnx import export_model, written_rows
+from glance_rt.round.verify import StaticShapes, example_inputs, static_graphs
 from tests.conftest import hf_greedy, tiny_target, vocab_drafter
 from tests.test_cli import model_folder
 from tests.tiny_models import ARCHS, VLM_ARCHS, make_inputs
@@ -47,13 +47,12 @@ def test_every_graph_matches_its_torch_graph(arch, tmp_path):
     drafter = drafter_for(target, arch)
     export_model(target, drafter, tmp_path / "x", budgets=(5,), max_len=96, chunk=8, progress=False)
     m = json.loads((tmp_path / "x" / "manifest.json").read_text())
-    dec = glance_rt.Decoder(target, drafter, tree_budget=5, max_length=96)
-    graphs = StaticGraphs(dec.verifier, dec.drafter)
+    graphs = static_graphs(target, drafter, 96)  # the plain weights, as exported
     gen = torch.Generator().manual_seed(0)
     for cache in (graphs.verifier.cache, graphs.draft_pass.cache):  # random cache contents, both sides
         for b in cache.buffers():
             b.copy_(torch.randn(b.shape, generator=gen))
-    for key, args in example_inputs(graphs, StaticShapes(8, 4), dec.mrope, (5,), False).items():
+    for key, args in example_inputs(graphs, StaticShapes(8, 4), (5,), False).items():
         name = key.split("-")[0]
         args = tuple(a.clone() for a in args)
         if name in ("prefill", "context"):

@@ -1,4 +1,4 @@
-"""Prepacked linears (glance_rt.linear): the same product as nn.Linear, on by default only where
+"""Prepacked linears (glance_rt.models.linear): the same product as nn.Linear, on by default only where
 they apply (eager, fp32, CPU with oneDNN), never touching the HF modules."""
 
 import pytest
@@ -7,7 +7,7 @@ from torch import nn
 
 import glance_rt
 from glance_rt import GlanceError
-from glance_rt.linear import PackedLinear, can_pack, pack_module, packed_linears
+from glance_rt.models.linear import PackedLinear, can_pack, pack_module, packed_linears
 from tests.conftest import tiny_target
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="needs a CPU build with oneDNN (mkldnn)")

@@ -12,12 +12,12 @@ import onnx
 import pytest
 import torch
 from click.testing import CliRunner
-from glance_rt.engines import ort_plugin
-from glance_rt.engines.engine import build_engine
 
 import glance_rt
-from glance_rt.attention import tree_attention
 from glance_rt.cli import main
+from glance_rt.engines import ort_plugin
+from glance_rt.engines.engine import build_engine
+from glance_rt.models.attention import tree_attention
 from tests.conftest import hf_greedy, tiny_target
 from tests.test_attention import random_tree_mask
 from tests.test_cli import model_folder

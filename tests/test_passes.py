@@ -1,4 +1,4 @@
-"""Static-shape passes (`glance_rt.passes`) and the torch.compile backend: the same tokens as HF
+"""Static-shape passes (`glance_rt.round.verify`) and the torch.compile backend: the same tokens as HF
 greedy (fp32) with chunked prefill, padded drafter context and fixed-size compaction exercised by
 decoy drafters; the drafter's logits equal the eager pass's; compiled rounds never recompile."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import glance_rt
-from glance_rt.linear import can_pack
-from glance_rt.passes import GRAPHS
+from glance_rt.models.linear import can_pack
+from glance_rt.round.verify import GRAPHS, Backend, static_passes
 from tests.conftest import OracleDrafter, hf_greedy, tiny_target
 from tests.tiny_models import ARCHS, VLM_ARCHS, make_inputs
 
@@ -17,7 +17,6 @@ NEW = 24
 def static_decoder(target, drafter, chunk: int, oracle=None, spy=None, **kw):
     """A Decoder over StaticPasses whose graphs run eagerly (no compiler). With `oracle`, the real
     draft graph still runs (writing the context cache) but the oracle's logits are drafted."""
-    dec = glance_rt.Decoder(target, drafter, **kw)
 
     def fns(graphs):
         f = {n: getattr(graphs, n) for n in GRAPHS}
@@ -32,8 +31,7 @@ def static_decoder(target, drafter, chunk: int, oracle=None, spy=None, **kw):
         f["draft"] = wrapped
         return f
 
-    dec.passes = dec.static_passes(fns, chunk)
-    return dec
+    return glance_rt.Decoder(target, drafter, backend=Backend("static", static_passes(fns, chunk)), **kw)
 
 
 def case(arch):
@@ -145,3 +143,24 @@ def test_compile_backend_cuda_graphs_match_hf():
     dec = glance_rt.Decoder(target, drafter, tree_budget=8, max_length=256, backend="compile", chunk=8)
     for _ in range(2):  # the second run replays the captured graphs
         assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == ref
+
+
+def test_warmup_compiles_every_bucket_up_front():
+    """An adaptive budget's rounds switch between buckets; after warmup() none of them compiles."""
+    from glance_rt.round.adaptive import AdaptiveBudget, Bucket
+
+    torch._dynamo.reset()
+    target, model, inputs, ref = case("llama")
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=3)
+    eager = glance_rt.Decoder(target, drafter, tree_budget=4, max_length=256)
+    entropies = sorted(eager.generate(max_new_tokens=NEW, **inputs).stats.prior_entropy)
+    m = entropies[len(entropies) // 2]  # a bucket each side of the median entropy
+    policy = AdaptiveBudget((Bucket(4, 100.0, 1.0, 1.0), Bucket(8, 100.0 + 2 * m, -1.0, 1.0)))
+    dec = glance_rt.Decoder(target, drafter, tree_budget=policy, max_length=256, backend="compile", chunk=8)
+    before = unique_graphs()
+    dec.warmup()
+    warm = unique_graphs()
+    assert warm - before == 4  # verify at 5 and 9 rows, draft, context
+    res = dec.generate(max_new_tokens=NEW, **inputs)
+    assert res.token_ids == ref and set(res.stats.budgets) == {4, 8}
+    assert unique_graphs() == warm

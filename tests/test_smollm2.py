@@ -55,7 +55,7 @@ def test_real_model_lossless(cases, mode):
 def test_shipped_drafter_loads_and_is_lossless(cases):
     import os
 
-    from glance_rt.embedded import DRAFTER_DIR
+    from glance_rt.hf.embedded import DRAFTER_DIR
 
     target, items = cases
     drafter = glance_rt.load_drafter(target=target)  # no path: the one shipped for the default target

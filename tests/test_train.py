@@ -12,8 +12,8 @@ import torch
 
 import glance_rt
 from glance_rt import GlanceError
-from glance_rt.draft import DraftPass
-from glance_rt.train import TrainConfig, block_forward, capture_features, choose_draft_vocab, train
+from glance_rt.round.draft import DraftPass
+from glance_rt.tools.train import TrainConfig, block_forward, capture_features, choose_draft_vocab, train
 from tests.conftest import extend_inputs, hf_greedy, tiny_target
 from tests.tiny_models import make_images, make_inputs, make_tiny
 
@@ -107,7 +107,7 @@ def test_end_to_end_resume_and_reproducibility(tmp_path, monkeypatch):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
     # killed after the step-3 checkpoint, then resumed: the same drafter, no stage redone
-    import glance_rt.train as tm
+    import glance_rt.tools.train as tm
 
     real_lr = tm.lr_at
 
@@ -150,7 +150,9 @@ def test_refuses_other_runs_and_bad_images(tmp_path):
 
 def test_tiny_vlm_trains_end_to_end_with_images(tmp_path):
     """Rendered-image prompts from the corpus (text, tables, charts, shapes) through the processor."""
-    from glance_rt.corpus import save_image_prompts, write_corpus
+    from tests.conftest import corpus_builder
+
+    save_image_prompts, write_corpus = corpus_builder().save_image_prompts, corpus_builder().write_corpus
 
     target, _, _ = tiny_target("qwen2_5_vl")
     rows = save_image_prompts(8, tmp_path / "imgs")
@@ -178,11 +180,12 @@ def test_data_parallel_two_processes_matches_one(tmp_path):
             "--blocks-per-seq", "4", "--save-every", "2", "--eval-per-kind", "1", "--eval-budget", "4", "--no-bf16",
             "--lr", "1e-2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, "-m", "glance_rt.train", "--out", str(tmp_path / "one"), *args],
+    one = subprocess.run([sys.executable, "-m", "glance_rt.cli", "train", "--out", str(tmp_path / "one"), *args],
                          env=env, capture_output=True, text=True)
     assert one.returncode == 0, one.stderr[-3000:]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", "29517", "-m", "glance_rt.train", "--out", str(tmp_path / "two"), *args],
+                          "--master_port", "29517", "-m", "glance_rt.cli", "train", "--out", str(tmp_path / "two"),
+                          *args],
                          env=env, capture_output=True, text=True)
     assert two.returncode == 0, two.stderr[-3000:]
     # fp32 checkpoints after the last step: equal up to float reduction order, while a rank that
@@ -198,7 +201,7 @@ def test_data_parallel_two_processes_matches_one(tmp_path):
 def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
     import errno
 
-    import glance_rt.train as tm
+    import glance_rt.tools.train as tm
 
     target, _, _ = tiny_target("llama")
     cfg = small_cfg(tmp_path, "full")
@@ -214,7 +217,11 @@ def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatc
         train(target, cfg)
     out = tmp_path / "full"
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000003"]
-    assert glance_rt.load_drafter(out / "checkpoints" / "step-000003", target) is not None
+    kept = out / "checkpoints" / "step-000003"
+    ckpt = glance_rt.load_drafter(kept, target)  # a complete drafter folder, for this target
+    assert (ckpt.config.block_size, ckpt.config.num_hidden_layers) == (cfg.block_size, cfg.num_layers)
+    saved, loaded = weights(kept), ckpt.state_dict()
+    assert saved.keys() == loaded.keys() and all(torch.equal(loaded[k], v) for k, v in saved.items())
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp leftovers
     monkeypatch.setattr(tm.torch, "save", real_save)
     train(target, replace(cfg, resume=True))

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from glance_rt.commit import accept, accept_path, apply_stops, committed_tokens
 from glance_rt.errors import GlanceError
-from glance_rt.tree import build_tree, check_budget, prompt_lookup
+from glance_rt.round.commit import accept, accept_path, apply_stops, committed_tokens
+from glance_rt.round.tree import build_tree, check_budget, prompt_lookup
 
 
 def target_next(prefix: tuple, vocab: int) -> int:

@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
+
+import glance_rt
+from glance_rt.cli import main
 from glance_rt.engines.engine import build_engine
 from glance_rt.engines.onnxruntime import vision
 from glance_rt.export.onnx import export_model
 from glance_rt.export.vision import VISION_ARCHS, example_inputs, export_vision
-
-import glance_rt
-from glance_rt.arch import capture_prefill
-from glance_rt.cli import main
+from glance_rt.hf.arch import capture_prefill
 from tests.conftest import hf_greedy, tiny_target
 from tests.test_cli import model_folder
 

@@ -19,7 +19,7 @@ import transformers
 from PIL import Image
 from tokenizers import AddedToken
 
-from glance_rt.processors import accept_image_only, image_only_video_processor
+from glance_rt.hf.processors import accept_image_only, image_only_video_processor
 
 TEXT_ARCHS = ["llama", "qwen2", "qwen3"]
 VLM_ARCHS = ["qwen2_vl", "qwen2_5_vl", "llava", "llava_onevision", "idefics3", "smolvlm"]

@@ -14,6 +14,7 @@ of never drafting a rare token (verification still decides every token, so outpu
 
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,6 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glance_rt.errors import GlanceError
+from glance_rt.hf.embedded import default_drafter_path
+from glance_rt.models.target import apply_rope
 
 FORMAT_VERSION = 1
 MAX_BLOCK_SIZE = 64
@@ -114,20 +117,18 @@ class DraftLayer(nn.Module):
 
 
 def layer_kv(layer: DraftLayer, c: DrafterConfig, x: Tensor) -> tuple[Tensor, Tensor]:
-    """One drafter layer's keys and values for rows x [1, T, H] -> k, v [1, nkv, T, D]."""
+    """One drafter layer's keys and values for rows x [1, T, H] -> k, v [1, nkv, T, D] (before RoPE)."""
     a, t = layer.self_attn, x.shape[1]
     k = a.k_norm(a.k_proj(x).view(1, t, c.num_key_value_heads, c.head_dim)).transpose(1, 2)
     v = a.v_proj(x).view(1, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
     return k, v
 
 
-def layer_qkv(layer: DraftLayer, c: DrafterConfig, ctx: Tensor, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """One drafter layer's projections. ctx [1, C, H] (normed context features), h [1, Q, H] (block
-    hidden) -> q [1, nh, Q, D] from the block; k, v [1, nkv, C+Q, D] from the context, then the block."""
-    a, q_len = layer.self_attn, h.shape[1]
-    x = torch.cat([ctx, layer.input_layernorm(h)], 1)  # [1, C+Q, H]
-    q = a.q_norm(a.q_proj(x[:, -q_len:]).view(1, q_len, c.num_attention_heads, c.head_dim)).transpose(1, 2)
-    return (q, *layer_kv(layer, c, x))
+def layer_q(layer: DraftLayer, c: DrafterConfig, x: Tensor) -> Tensor:
+    """One drafter layer's queries for rows x [1, Q, H] -> q [1, nh, Q, D] (before RoPE)."""
+    q_len = x.shape[1]
+    return layer.self_attn.q_norm(layer.self_attn.q_proj(x).view(1, q_len, c.num_attention_heads, c.head_dim)
+                                  ).transpose(1, 2)
 
 
 def layer_out(layer: DraftLayer, h: Tensor, attn: Tensor) -> Tensor:
@@ -149,8 +150,10 @@ def inv_freq(c: DrafterConfig) -> Tensor:
 
 
 class GlanceDrafter(nn.Module):
-    """Weights and config of a drafter. The inference pass lives in `glance_rt.draft`, the training
-    pass in `glance_rt.train`; both are built from `layer_qkv` / `layer_out` / `rope_tables`."""
+    """Weights, config and the forward of a drafter: `context` + `context_kv` turn target features
+    into every layer's keys and values, `forward` runs the block rows. The inference pass
+    (`glance_rt.round.draft.DraftPass`, a KV cache and tree attention) and the training pass
+    (`glance_rt.tools.train.block_forward`, many blocks under a block-sparse mask) both call them."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -169,6 +172,30 @@ class GlanceDrafter(nn.Module):
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    def context(self, feats: Tensor) -> Tensor:
+        """Target features [..., F] (the chosen layers' hidden states, concatenated) -> the drafter's
+        context rows [..., H]."""
+        return self.hidden_norm(self.fc(feats.to(self.hidden_norm.weight.dtype)))
+
+    def context_kv(self, i: int, ctx: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Layer i's keys (with RoPE cos, sin [1, m, D]) and values of context rows ctx [1, m, H]
+        -> k, v [1, nkv, m, D]. Every layer projects the same context rows."""
+        k, v = layer_kv(self.layers[i], self.config, ctx)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attend) -> Tensor:
+        """The block pass. h [1, Q, H]: the block rows' input embeddings, at RoPE cos, sin [1, Q, D].
+        `attend(i, q, k, v)` -> layer i's attention output [1, nh, Q, D] for the block's queries
+        q [1, nh, Q, D] and keys / values k, v [1, nkv, Q, D] (RoPE applied): it supplies the context's
+        keys (a cache at inference, the whole sequence's in training) and the mask.
+        -> the final-normed hidden [1, Q, H] (logits through the target's lm_head)."""
+        c = self.config
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(h)
+            q, (k, v) = layer_q(layer, c, x), layer_kv(layer, c, x)
+            h = layer_out(layer, h, attend(i, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v))
+        return self.norm(h)
 
     @property
     def target_layer_ids(self) -> tuple[int, ...]:
@@ -259,7 +286,6 @@ def save_drafter(drafter: GlanceDrafter, path, dtype: torch.dtype | None = None)
         old = path.with_name(f".{path.name}.old")
         os.replace(path, old)
         os.replace(tmp, path)
-        import shutil
 
         shutil.rmtree(old, ignore_errors=True)
     else:
@@ -367,7 +393,6 @@ def load_drafter(path=None, target=None) -> GlanceDrafter:
     if target is None:
         raise GlanceError("load_drafter needs the target it will draft for: load_drafter(path, target)")
     if path is None:
-        from glance_rt.embedded import default_drafter_path
 
         path = default_drafter_path(target)
     drafter = read_drafter(path, dtype=target.dtype, device=target.device)

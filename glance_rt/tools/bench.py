@@ -17,7 +17,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from glance_rt.errors import GlanceError
+from glance_rt.errors import GlanceError, require
+from glance_rt.export.manifest import read_manifest
+from glance_rt.files import atomic_write
+from glance_rt.method import DEFAULT_LOOKUP, Method, job_max_length
+from glance_rt.round.adaptive import calibrate
+from glance_rt.round.loop import Decoder
+from glance_rt.tools.suites import encode_rows
 
 SCHEMA = "glance-rt/bench/1"
 DEFAULT_METHODS = ("ar", "chain", "tree-8", "tree-16", "tree-32", "tree-64", "adaptive", "hf", "hf-lookup")
@@ -29,7 +35,6 @@ class BenchConfig:
     max_new_tokens: int = 128
     warmup: int = 1  # prompts run once per method before timing
     lookup_tokens: int = 10  # HF prompt_lookup_num_tokens
-    lookup_ngram: int = 3  # `tree-N+lookup`: the largest n-gram matched (Decoder lookup=)
     engine_lookup: bool = False  # also run each drafter engine with lookup (`tree-N+lookup@backend:NAME`)
     max_length: int | None = None  # static cache rows; None: the suite's longest prompt + max_new_tokens + scratch
     engines: tuple[str, ...] = ()  # engine folders (glance-rt build-engine), benched as method "engine:NAME"
@@ -92,38 +97,12 @@ def _hf_runner(target, cfg: BenchConfig, lookup: bool):
     return run
 
 
-def tree_method(method: str) -> tuple[int, bool] | None:
-    """`tree-N[+lookup][@backend[:name]]` -> (N, with lookup); None for any other method."""
-    base, plus, extra = method.partition("@")[0].partition("+")
-    if base.startswith("tree-") and base[5:].isdigit() and (plus, extra) in (("", ""), ("+", "lookup")):
-        return int(base[5:]), bool(extra)
-    return None
-
-
-def _glance_runner(target, drafter, cfg: BenchConfig, method: str, policy=None):
-    """Methods `ar`, `chain`, `tree-N`, `tree-N+lookup`, `adaptive`, each optionally `@compile` or
-    `@plain` (eager with the HF modules' own linear layers instead of prepacked weights)."""
-    from glance_rt.decoder import BACKENDS, Decoder
-
-    base, _, backend = method.partition("@")
-    backend = backend or "eager"
-    if backend not in (*BACKENDS, "plain"):
-        raise GlanceError(f"unknown backend in method {method!r}: use {', '.join(BACKENDS)} or plain")
-    kw = {"max_length": cfg.max_length, "backend": backend}
-    if backend == "plain":  # eager without prepacked weights (the HF modules' own linear)
-        kw.update(backend="eager", prepack=False)
-    tree = tree_method(method)
-    if base == "ar":
-        dec = Decoder(target, None, **kw)
-    elif drafter is None:
+def _glance_runner(target, drafter, cfg: BenchConfig, method: Method, policy=None):
+    """A glance-rt method (`glance_rt.method.Method`: ar, chain, tree-N, tree-N+lookup, adaptive,
+    each optionally @compile or @plain)."""
+    if method.kind != "ar" and drafter is None:
         raise Skip("needs a drafter (pass --drafter, or use the default target's shipped one)")
-    elif base == "adaptive":
-        dec = Decoder(target, drafter, tree_budget=policy, **kw)
-    elif base == "chain":
-        dec = Decoder(target, drafter, chain=True, **kw)
-    else:
-        dec = Decoder(target, drafter, tree_budget=tree[0], lookup=cfg.lookup_ngram if tree[1] else 0, **kw)
-    return _decoder_runner(dec, cfg)
+    return _decoder_runner(Decoder.from_method(method, target, drafter, cfg.max_length, policy), cfg)
 
 
 def _decoder_runner(dec, cfg: BenchConfig):
@@ -138,17 +117,13 @@ def _decoder_runner(dec, cfg: BenchConfig):
 def engine_method(dec, folder) -> str:
     """`tree-32@aoti:NAME`: the eager method it computes, the engine's backend and folder name."""
     base = "ar" if dec.drafter is None else "chain" if dec.chain else f"tree-{dec.tree_budget}"
-    return f"{base}{'+lookup' if dec.lookup else ''}@{dec.backend}:{Path(folder).name}"
+    return f"{base}{'+lookup' if dec.lookup else ''}@{dec.backend.name}:{Path(folder).name}"
 
 
 def make_runner(method: str, target, drafter, cfg: BenchConfig):
     if method in ("hf", "hf-lookup"):
         return _hf_runner(target, cfg, lookup=method == "hf-lookup")
-    base = method.partition("@")[0]
-    if base in ("ar", "chain") or tree_method(method) is not None:
-        return _glance_runner(target, drafter, cfg, method)
-    raise GlanceError(f"unknown method {method!r}: use ar, chain, tree-N, tree-N+lookup, adaptive (each "
-                      "optionally @compile), hf, hf-lookup")
+    return _glance_runner(target, drafter, cfg, Method.parse(method))
 
 
 def eager_base(method: str) -> str | None:
@@ -159,13 +134,15 @@ def eager_base(method: str) -> str | None:
 
 
 def suite_max_length(encoded: list[dict], cfg: BenchConfig) -> int:
-    """Static cache rows for a suite: longest prompt + max_new_tokens + one round's scratch (the
-    largest tree of the methods, or a 64-row block), rounded up to 64: static backends attend over
-    all of them, so no more than needed."""
+    """Static cache rows for a suite (`glance_rt.method.job_max_length`): its longest prompt, the
+    methods' largest tree."""
     longest = max(e["input_ids"].shape[1] for e in encoded)
-    trees = [t[0] for m in cfg.methods if (t := tree_method(m)) is not None]
-    scratch = max([n + 1 for n in trees] + [64])
-    return -(-(longest + cfg.max_new_tokens + scratch) // 64) * 64
+    trees = [m.tree_budget for m in _methods(cfg) if m.kind == "tree"]
+    return job_max_length(longest, cfg.max_new_tokens, trees)
+
+
+def _methods(cfg: BenchConfig) -> list[Method]:
+    return [Method.parse(m) for m in cfg.methods if m not in ("hf", "hf-lookup")]
 
 
 def _peak_mb(device) -> float:
@@ -179,11 +156,10 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
     """Run every method on every prompt, interleaved; returns the report (partial if interrupted)."""
     from tqdm.auto import tqdm
 
-    from glance_rt.train import open_images
 
     if "hf" not in cfg.methods:
         raise GlanceError("bench needs the 'hf' method: every output is checked against HF greedy decoding")
-    encoded = [target.encode_chat(r["prompt"], open_images(r, images_dir)) for r in rows]
+    encoded = encode_rows(target, rows, images_dir)
     if cfg.max_length is None:
         cfg = replace(cfg, max_length=suite_max_length(encoded, cfg))
     runners, skipped = {}, {}
@@ -195,35 +171,32 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
             skipped[m] = str(e)
             log(f"[bench] skipping {m}: {e}")
     for folder in cfg.engines:
-        from glance_rt.decoder import Decoder
-        from glance_rt.engines.manifest import read_manifest
 
         autoregressive = read_manifest(Path(folder))["source"]["drafter_weights"] is None  # an AR engine
-        dec = Decoder.from_engine(folder, target, None if autoregressive else drafter)
+        dec = Decoder.from_engine(folder, target, None if autoregressive else drafter, lookup=0)
         runners[engine_method(dec, folder)] = _decoder_runner(dec, cfg)
         if cfg.engine_lookup and not autoregressive and not dec.chain:
-            dec = Decoder.from_engine(folder, target, drafter, lookup=cfg.lookup_ngram)
+            dec = Decoder.from_engine(folder, target, drafter, lookup=DEFAULT_LOOKUP)
             runners[engine_method(dec, folder)] = _decoder_runner(dec, cfg)
     calibration: dict[str, dict[int, list]] = {}  # backend -> budget -> rounds
     policy = None
     for inputs in encoded[: cfg.warmup]:
         for m, run in runners.items():
             stats = run(inputs)[3]
-            backend, tree = m.partition("@")[2], tree_method(m)
-            if tree is not None and not tree[1] and stats is not None:  # plain trees calibrate adaptive
-                calibration.setdefault(backend or "eager", {}).setdefault(tree[0], []).extend(
+            method = Method.parse(m) if m not in ("hf", "hf-lookup") and ":" not in m else None
+            if method is not None and method.kind == "tree" and not method.lookup:  # plain trees calibrate adaptive
+                calibration.setdefault(method.backend, {}).setdefault(method.tree_budget, []).extend(
                     zip(stats.prior_entropy, stats.accepted_lengths, stats.round_seconds, strict=True))
     for adaptive in [m for m in cfg.methods if m.partition("@")[0] == "adaptive"]:
         try:
-            from glance_rt.adaptive import calibrate
 
             if drafter is None:
                 raise Skip("needs a drafter")
-            backend = adaptive.partition("@")[2] or "eager"
-            if not calibration.get(backend):
+            method = Method.parse(adaptive)
+            if not calibration.get(method.backend):
                 raise Skip("needs tree-N methods on the same backend and --warmup >= 1 to calibrate its buckets")
-            policy = calibrate(calibration[backend])
-            runners[adaptive] = _glance_runner(target, drafter, cfg, adaptive, policy)
+            policy = calibrate(calibration[method.backend])
+            runners[adaptive] = _glance_runner(target, drafter, cfg, method, policy)
             log("[bench] adaptive buckets: " + ", ".join(
                 f"N={b.budget}: tau={b.intercept:.2f}{b.slope:+.2f}*H, {b.seconds_per_round * 1e3:.1f} ms/round"
                 for b in policy.buckets))
@@ -407,6 +380,7 @@ def markdown(report: dict) -> str:
 
 def plots(report: dict, folder) -> list[Path]:
     """speedup.png (per method and kind), tau_hist.png, tau_vs_entropy.png."""
+    require("plot", "matplotlib")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -468,8 +442,6 @@ def _legend(ax) -> None:
 
 
 def _save(fig, path: Path) -> Path:
-    from glance_rt.train import atomic_write
-
     atomic_write(path, lambda p: fig.savefig(p, dpi=110, bbox_inches="tight", format="png"))
     import matplotlib.pyplot as plt
 
@@ -478,8 +450,6 @@ def _save(fig, path: Path) -> Path:
 
 
 def write_outputs(report: dict, json_out=None, report_md=None, plot_dir=None) -> list[Path]:
-    from glance_rt.train import atomic_write
-
     written = []
     if json_out:
         atomic_write(Path(json_out), lambda p: p.write_text(json.dumps(report, indent=2)))

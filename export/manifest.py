@@ -7,10 +7,12 @@ device, dtype or library versions differ from the running ones, and says what di
 
 import hashlib
 import json
+from importlib import metadata
 from pathlib import Path
 
 import torch
 
+from glance_rt import __version__
 from glance_rt.errors import GlanceError
 
 FORMAT = "glance-rt/engine/1"
@@ -33,9 +35,7 @@ def weights_hash(module) -> str:
 def versions() -> dict:
     import transformers
 
-    import glance_rt
-
-    return {"glance_rt": glance_rt.__version__, "torch": torch.__version__, "transformers": transformers.__version__}
+    return {"glance_rt": __version__, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def source(target, drafter) -> dict:
@@ -77,8 +77,6 @@ def read_manifest(path, backend: str | None = None) -> dict:
 
 def check_manifest(m: dict, target, drafter, path) -> None:
     """Refuse an engine built for another target, drafter, dtype, device or library versions."""
-    from importlib import metadata
-
     problems = []
     have_versions = versions()
     for k, want in m["versions"].items():
@@ -103,3 +101,14 @@ def check_manifest(m: dict, target, drafter, path) -> None:
     if problems:
         raise GlanceError(f"engine {path} was built for something else: " + "; ".join(problems)
                           + ". Rebuild it with `glance-rt build-engine` for this target and drafter.")
+
+
+def describe_graphs(info: dict) -> str:
+    """GRAPHS.md: every graph's inputs and outputs (name, shape, dtype) as Markdown tables."""
+    lines = []
+    for g in info.values():
+        lines += [f"## {g['file']}", "", "| | name | shape | dtype |", "|---|---|---|---|"]
+        lines += [f"| in | {n} | {s} | {d} |" for n, s, d in g["inputs"]]
+        lines += [f"| out | {n} | {s} | {d} |" for n, s, d in g["outputs"]]
+        lines.append("")
+    return "\n".join(lines)

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from glance_rt.hf.arch import extend_inputs
+
 
 @dataclass(frozen=True)
 class AuditRow:
@@ -33,8 +35,6 @@ def first_divergence(ours: list[int], ref: list[int]) -> int | None:
 
 def margin_at(target, inputs: dict, prefix: list[int]) -> float:
     """Top-1 minus top-2 logit of the HF model after prompt + prefix."""
-    from glance_rt.arch import extend_inputs
-
     with torch.inference_mode():
         logits = target.hf_model(**extend_inputs(inputs, prefix)).logits[0, -1].float()
     top = logits.topk(2).values
@@ -57,14 +57,13 @@ def audit_prompt(target, decoder, row: dict, inputs: dict, max_new_tokens: int) 
                     got=ours[i] if i < len(ours) else None, **base)
 
 
-def audit(target, decoder, rows: list[dict], max_new_tokens: int, images_dir=None, progress: bool = True):
-    """Audit every row; yields AuditRow as it goes (so an interrupted audit keeps what it has)."""
+def audit(target, decoder, rows: list[dict], encoded: list[dict], max_new_tokens: int, progress: bool = True):
+    """Audit every row (`encoded`: its processor inputs, `glance_rt.tools.suites.encode_rows`); yields
+    AuditRow as it goes (so an interrupted audit keeps what it has)."""
     from tqdm.auto import tqdm
 
-    from glance_rt.train import open_images
-
-    for row in tqdm(rows, desc="audit", disable=not progress, dynamic_ncols=True):
-        inputs = target.encode_chat(row["prompt"], open_images(row, images_dir))
+    for row, inputs in tqdm(list(zip(rows, encoded, strict=True)), desc="audit", disable=not progress,
+                            dynamic_ncols=True):
         yield audit_prompt(target, decoder, row, inputs, max_new_tokens)
 
 

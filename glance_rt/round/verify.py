@@ -1,4 +1,4 @@
-"""The passes a decoding round runs, behind the one interface the round loop calls.
+"""The verify pass, and the passes a decoding round runs behind the one interface the loop calls.
 
 `EagerPasses` is the reference: exact lengths (the prompt in one pass, attention over the rows
 written so far). `StaticPasses` runs the same math at fixed shapes, so that compilers can take it:
@@ -8,15 +8,24 @@ only the rows its queries can see). Its graphs are the methods of
 `StaticGraphs`, plain functions of tensors; a backend swaps them for compiled (torch.compile) or
 loaded (AOTInductor) versions. Padded rows only ever land on cache rows that are rewritten before
 anything can see them.
+
+A `Backend` is how a Decoder gets its passes: a factory `(verifier, draft) -> passes` (eager,
+compiled, or an engine's loaded graphs, `glance_rt.engines.engine.engine_backend`), so the loop is
+built from passes and nothing is replaced after construction. `round_modules` builds the modules the
+passes run (and engine builders trace) without a Decoder.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from glance_rt.commit import accept, accept_path, compact
-from glance_rt.model import TargetDecoder
+from glance_rt.errors import GlanceError
+from glance_rt.models.drafter import GlanceDrafter, check_compatible
+from glance_rt.models.target import TargetDecoder
+from glance_rt.round.commit import accept, accept_path, compact
+from glance_rt.round.draft import DraftPass
 
 GRAPHS = ("prefill", "verify", "draft", "context")
 
@@ -29,6 +38,9 @@ class EagerPasses:
 
     def rows_needed(self, prompt_len: int) -> int:
         return prompt_len
+
+    def warmup(self, budgets, chain: bool) -> None:
+        """Nothing to compile: exact-length passes run as they come."""
 
     def prefill(self, embeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """embeds [1, P, H], positions [1, P] / [3, 1, P] -> last row's logits [V], features [P, F]."""
@@ -68,6 +80,7 @@ class StaticGraphs(nn.Module):
         super().__init__()
         self.verifier, self.draft_pass = verifier, draft_pass
         self.max_len = verifier.cache.max_len
+        self.block_size = draft_pass.block_size if draft_pass is not None else 1
         self.register_buffer("_zero", torch.zeros((), dtype=torch.long), persistent=False)
 
     def prefill(self, embeds: Tensor, positions: Tensor, start: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
@@ -113,6 +126,15 @@ class StaticPasses:
     def rows_needed(self, prompt_len: int) -> int:
         c = self.shapes.chunk
         return -(-prompt_len // c) * c  # padded prompt chunks (and context chunks) stay inside the cache
+
+    def warmup(self, budgets, chain: bool) -> None:
+        """Run every graph once at its fixed shape (a verify graph per budget bucket): compiles,
+        captures or loads each now. The rows they write are scratch, rewritten before any is read."""
+        with torch.inference_mode():
+            for key, args in example_inputs(self.graphs, self.shapes, budgets, chain).items():
+                fn = self.fns.get(key.split("-")[0])
+                if fn is not None:  # prefill may run eagerly (compiled_fns)
+                    fn(*args)
 
     @staticmethod
     def _pad_rows(x: Tensor, rows: int, dim: int) -> Tensor:
@@ -170,7 +192,7 @@ def compiled_fns(graphs: StaticGraphs) -> dict:
     "reduce-overhead" replays each as a CUDA graph: the caches are module buffers (static addresses),
     the small inputs are copied in. The prompt's prefill runs once per prompt: it stays an eager
     exact-length pass (one GEMM over the whole prompt beats padded chunks that attend over every
-    cache row: 0.33 s vs 0.49 s time to first token on the default target); engines, which have no
+    cache row; time to first token in docs/engines.md); engines, which have no
     eager model to fall back on, run it as chunks."""
     mode = "reduce-overhead" if graphs.verifier.embed_tokens.weight.is_cuda else None
     names = GRAPHS[1:] if graphs.draft_pass is not None else GRAPHS[1:2]
@@ -182,9 +204,10 @@ def verify_rows(budget: int, chain: bool, block_size: int) -> int:
     return (min(budget, block_size - 1) if chain else budget) + 1
 
 
-def example_inputs(graphs, shapes, mrope: bool, budgets, chain: bool) -> dict:
+def example_inputs(graphs, shapes, budgets, chain: bool) -> dict:
     """name -> example args of every graph to build (what fixes its shapes)."""
     v = graphs.verifier
+    mrope = v.mrope
     dev, dtype = v.embed_tokens.weight.device, v.embed_tokens.weight.dtype
     hidden = v.embed_tokens.weight.shape[1]
 
@@ -209,3 +232,82 @@ def example_inputs(graphs, shapes, mrope: bool, budgets, chain: bool) -> dict:
         out["draft"] = (ctx, zero(), zero(), torch.tensor(b, device=dev))
         out["context"] = (torch.zeros(c, feats, dtype=dtype, device=dev), zero())
     return out
+
+
+# ----------------------------------------------------------------------------- building the passes
+
+
+def round_modules(target, drafter, max_len: int, rows: int, prepack: bool):
+    """The modules a round runs, over `target`'s weights: (TargetDecoder with a `max_len`-row cache,
+    the draft pass or None). A `GlanceDrafter` becomes a `DraftPass` (shared embeddings and lm_head);
+    other drafter objects (the eager protocol) are used as they are. `prepack`: linear layers through
+    oneDNN-prepacked weights laid out for `rows` verify rows (eager and compile); engines trace the
+    plain weights."""
+    if isinstance(drafter, GlanceDrafter):
+        check_compatible(drafter.config, target)
+        drafter = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, max_len,
+                            pack_rows=drafter.config.block_size if prepack else 0)
+    layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
+    verifier = TargetDecoder(target.parts, max_len, layers, pack_rows=rows if prepack else 0)
+    return verifier, drafter
+
+
+def static_graphs(target, drafter, max_len: int) -> StaticGraphs:
+    """The fixed-shape graphs of `target` (+ a GlanceDrafter) over the plain weights: what engine
+    builders trace."""
+    return StaticGraphs(*round_modules(target, drafter, max_len, 0, prepack=False))
+
+
+@dataclass(frozen=True)
+class Backend:
+    """How a Decoder's passes run. `passes(verifier, draft)` builds them; `prefill_inputs(target)`
+    (None: the target's own) turns a request's inputs into the prompt's embeddings (an engine may
+    bring vision graphs); `prepack` False: the passes run the plain weights (engines)."""
+
+    name: str
+    passes: Callable
+    prefill_inputs: Callable | None = None
+    prepack: bool = True
+
+
+def static_passes(make_fns: Callable, chunk: int, exact_prefill: bool = False) -> Callable:
+    """A passes factory: fixed-shape passes whose graphs `make_fns(graphs)` runs (compiled, or loaded
+    from an engine). `exact_prefill`: the prefill graph takes the whole prompt at its length."""
+    if chunk < 1:
+        raise GlanceError(f"chunk must be at least 1, got {chunk}")
+
+    def build(verifier: TargetDecoder, draft) -> StaticPasses:
+        if draft is not None and not isinstance(draft, DraftPass):
+            raise GlanceError("compiled and engine backends run a GlanceDrafter (glance_rt.load_drafter); "
+                              "use backend='eager' for other drafter objects")
+        graphs = StaticGraphs(verifier, draft)
+        block = draft.block_size if draft is not None else 1
+        return StaticPasses(graphs, make_fns(graphs), StaticShapes(chunk, block, exact_prefill))
+
+    return build
+
+
+BACKENDS = ("eager", "compile")
+
+
+def verify_by_rows(verify: dict):
+    """One verify callable over per-bucket graphs (rows -> graph): picks the graph for tokens [T]."""
+
+    def run_verify(tokens, *rest):
+        graph = verify.get(tokens.shape[0])
+        if graph is None:
+            raise GlanceError(f"this engine has verify graphs for {sorted(verify)} rows, not {tokens.shape[0]}: "
+                              "use one of its tree budgets or rebuild with --tree-budget")
+        return graph(tokens, *rest)
+
+    return run_verify
+
+
+def named_backend(name: str, chunk: int = 64) -> Backend:
+    """The built-in backends: "eager" (the reference) and "compile" (torch.compile)."""
+    if name == "eager":
+        return Backend("eager", EagerPasses)
+    if name == "compile":
+        return Backend("compile", static_passes(compiled_fns, chunk))
+    raise GlanceError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)} "
+                      "(built engines load with Decoder.from_engine)")

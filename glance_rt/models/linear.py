@@ -2,8 +2,7 @@
 
 On x86 CPUs the passes are GEMMs of a few rows (a tree of 17-33 rows, a draft block of 8) against
 the weights. PyTorch's CPU `linear` calls MKL, whose fp32 GEMM for such shapes is slow on CPUs
-other than Intel's (on this machine's AMD EPYC, 1.5x slower than oneDNN for a verify layer's
-projections and 2.7x for a draft head; README). `PackedLinear` reorders the weight once into
+other than Intel's (measurements in docs/engines.md). `PackedLinear` reorders the weight once into
 oneDNN's blocked layout (`mkldnn._reorder_linear_weight`) and runs `mkldnn._linear_pointwise`:
 the same product, other summation order (fp32 rounding, like any other kernel).
 

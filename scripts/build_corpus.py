@@ -8,7 +8,7 @@ database. Variety comes from templates x documents x parameters drawn from a see
 and the seed), so held-out prompts never share a document with training prompts.
 
 Documentation differs between machines, so the shipped ``data/prompts.jsonl`` is the source of truth
-at runtime; ``python -m glance_rt.corpus --out glance_rt/data/prompts.jsonl`` regenerates it (same
+at runtime; ``python scripts/build_corpus.py --out glance_rt/data/prompts.jsonl`` regenerates it (same
 bytes for the same seed on the same machine).
 """
 
@@ -37,12 +37,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from glance_rt.errors import GlanceError
+from glance_rt.tools.suites import KINDS, SPLITS, default_corpus_path
 
 if TYPE_CHECKING:
     from PIL.Image import Image as PILImage
 
-KINDS = ("extraction", "conversion", "grounded_qa", "code", "chat")
-SPLITS = ("train", "heldout")
 HELDOUT_FRACTION = 0.15
 MAX_PROMPT_CHARS = 1200
 MAX_PROMPT_TOKENS = 270  # by approx_tokens(); about 300 real SmolLM2 tokens at worst for most prompts
@@ -1444,11 +1443,6 @@ def build_corpus(seed: int = 0, per_kind: int = 500) -> list[dict]:
 # --------------------------------------------------------------------------- files
 
 
-def default_corpus_path() -> Path:
-    """The shipped prompt corpus (``glance_rt/data/prompts.jsonl``)."""
-    return Path(__file__).resolve().parent / "data" / "prompts.jsonl"
-
-
 def write_corpus(path: str | os.PathLike, rows: Iterable[dict]) -> Path:
     """Write rows as JSONL atomically (temp file in the same folder, then ``os.replace``)."""
     path = Path(path)
@@ -1464,58 +1458,6 @@ def write_corpus(path: str | os.PathLike, rows: Iterable[dict]) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
-
-
-def read_prompts(path: str | os.PathLike) -> list[dict]:
-    """Load and validate a prompts JSONL file: one object per line with a non-empty ``prompt``.
-
-    Optional fields: ``kind`` (str), ``images`` (list of paths), ``id`` (str; defaults to ``line-N``) and
-    ``split`` ("train" or "heldout"); other fields are kept. Blank lines are skipped. Raises GlanceError
-    naming the 1-based line for an empty file, malformed JSON or a missing/empty/ill-typed field.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise GlanceError(f"{path}: no such prompts file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise GlanceError(f"{path}: cannot read prompts file as UTF-8 text ({exc})") from None
-    rows, ids = [], set()
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            row = _check_row(line, path, lineno)
-            if row["id"] in ids:
-                raise GlanceError(f"{path}, line {lineno}: duplicate id {row['id']!r}; ids must be unique")
-            ids.add(row["id"])
-            rows.append(row)
-    if not rows:
-        raise GlanceError(f'{path}, line 1: the prompts file is empty; write one JSON object per line, e.g. '
-                          '{"prompt": "Describe the image."}')
-    return rows
-
-
-def _check_row(line: str, path: Path, lineno: int) -> dict:
-    """One validated JSONL row (raises GlanceError naming the line)."""
-    where = f"{path}, line {lineno}"
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise GlanceError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must be one JSON "
-                          'object such as {"prompt": "..."}') from None
-    if not isinstance(row, dict):
-        raise GlanceError(f'{where}: expected a JSON object such as {{"prompt": "..."}}, got {type(row).__name__}')
-    prompt = row.get("prompt")
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise GlanceError(f'{where}: missing or empty "prompt"; every line needs a non-empty "prompt" string')
-    for key in ("kind", "id"):
-        if key in row and (not isinstance(row[key], str) or not row[key]):
-            raise GlanceError(f'{where}: "{key}" must be a non-empty string')
-    if "split" in row and row["split"] not in SPLITS:
-        raise GlanceError(f'{where}: "split" must be "train" or "heldout", got {row["split"]!r}')
-    images = row.get("images", [])
-    if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
-        raise GlanceError(f'{where}: "images" must be a list of image file paths')
-    return {**row, "id": row.get("id", f"line-{lineno}")}
 
 
 # --------------------------------------------------------------------------- image prompts
@@ -1645,7 +1587,7 @@ def save_image_prompts(n: int, image_dir: str | os.PathLike, seed: int = 0) -> l
 
 def main(argv: list[str] | None = None) -> int:
     """Build the corpus and write it as JSONL; prints counts and timing to stderr."""
-    ap = argparse.ArgumentParser(prog="python -m glance_rt.corpus", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python scripts/build_corpus.py", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(default_corpus_path()), help="output JSONL path")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--per-kind", type=int, default=500, help="prompts per kind (train + held-out)")

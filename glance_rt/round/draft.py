@@ -15,11 +15,10 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from glance_rt.attention import tree_attention
-from glance_rt.drafter import GlanceDrafter, inv_freq, layer_kv, layer_out, layer_qkv, rope_tables
-from glance_rt.kv_cache import KVCache
-from glance_rt.linear import pack_module, packed
-from glance_rt.model import apply_rope
+from glance_rt.models.attention import tree_attention
+from glance_rt.models.drafter import GlanceDrafter, inv_freq, rope_tables
+from glance_rt.models.kv_cache import KVCache
+from glance_rt.models.linear import pack_module, packed
 
 
 class DraftPass(nn.Module):
@@ -32,7 +31,7 @@ class DraftPass(nn.Module):
                  pack_rows: int = 0):
         super().__init__()
         c = drafter.config
-        if pack_rows:  # a copy whose linear layers run through oneDNN-prepacked weights (glance_rt.linear)
+        if pack_rows:  # a copy whose linear layers run through oneDNN-prepacked weights (glance_rt.models.linear)
             drafter = pack_module(copy.deepcopy(drafter), pack_rows)
         self.drafter, self.embed_tokens, self.lm_head = drafter, embed_tokens, lm_head
         self.block_size = c.block_size
@@ -69,30 +68,28 @@ class DraftPass(nn.Module):
         """Project context rows ctx_feats [m, F] (target features) into every layer's cache rows
         [ctx_start, ctx_start + m)."""
         d = self.drafter
-        ctx = d.hidden_norm(d.fc(ctx_feats.to(d.hidden_norm.weight.dtype)))[None]  # [1, m, H]
+        ctx = d.context(ctx_feats)[None]  # [1, m, H]
         rows = ctx_start + torch.arange(ctx.shape[1], device=ctx.device)  # [m]
         cos, sin = rope_tables(self.inv_freq, rows, ctx.dtype)  # [1, m, D]
-        for i, layer in enumerate(d.layers):
-            k, v = layer_kv(layer, d.config, ctx)  # [1, nkv, m, D]
-            self.cache.write(i, rows, apply_rope(k, cos, sin), v)
+        for i in range(len(d.layers)):
+            self.cache.write(i, rows, *d.context_kv(i, ctx, cos, sin))  # k, v [1, nkv, m, D]
 
     def block(self, bonus: Tensor, block_start: Tensor, kv_len: int) -> Tensor:
         """The block [bonus, M, ..., M] at rows [block_start, block_start + B), seeing the context
         rows before it -> draft logits [B-1, V]."""
-        d = self.drafter
-        c = d.config
         h = self.block_embeds(bonus)  # [1, B, H]
         rows = block_start + torch.arange(self.block_size, device=h.device)  # [B]
         cos, sin = rope_tables(self.inv_freq, rows, h.dtype)  # [1, B, D]
-        for i, layer in enumerate(d.layers):
-            q, k, v = layer_qkv(layer, c, h[:, :0], h)  # q, k, v [1, n, B, D]
-            self.cache.write(i, rows, apply_rope(k, cos, sin), v)
+        scale = self.drafter.config.head_dim**-0.5
+
+        def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # the block's rows join the cache
+            self.cache.write(i, rows, k, v)
             k_all, v_all = self.cache.read(i, kv_len)  # [1, nkv, L, D]
-            attn = tree_attention(apply_rope(q, cos, sin), k_all, v_all, self.block_mask, block_start, c.head_dim**-0.5)
-            h = layer_out(layer, h, attn)
-        # all B rows through the head, then drop row 0: for B=8 MKL's GEMM takes 16 ms at M=8 and
-        # 33 ms at M=7 (2-core CPU); draft numerics never affect the output, only acceptance
-        return self.head(d.norm(h))[0, 1:]  # [B-1, V or Vd]
+            return tree_attention(q, k_all, v_all, self.block_mask, block_start, scale)
+
+        # all B rows through the head, then drop row 0 (a GEMM of B rows is the faster shape);
+        # draft numerics never affect the output, only acceptance
+        return self.head(self.drafter(h, cos, sin, attend))[0, 1:]  # [B-1, V or Vd]
 
     def step(self, ctx_feats: Tensor, ctx_start: Tensor, bonus: Tensor, block_start: Tensor, kv_len: int) -> Tensor:
         self.context(ctx_feats, ctx_start)

@@ -2,8 +2,9 @@
 and the compaction of the accepted rows' KV from scratch to their final cache rows."""
 
 import numpy as np
+import torch
 
-from glance_rt.tree import Tree
+from glance_rt.round.tree import Tree
 
 
 def accept(tree: Tree, greedy: np.ndarray) -> list[int]:
@@ -38,8 +39,6 @@ def apply_stops(tokens: list[int], produced: int, max_new_tokens: int, eos_ids: 
 def compact(cache, path: list[int], start: int) -> None:
     """Move the accepted rows' KV (root included) from scratch rows `start + path` to
     `[start, start + len(path))`. Rejected rows are left to be overwritten."""
-    import torch
-
     if path != list(range(len(path))):
         src = torch.tensor([start + i for i in path], device=cache.k0.device)
         cache.move_rows(src, start)
@@ -50,8 +49,6 @@ def accept_path(parent, tokens, greedy, depth: int):
     compiled graph or CUDA graph). parent, tokens, greedy [T] int64 -> path [depth+1] int64: the
     accepted rows, root first, then -1 after the last accepted row. Among equal siblings the
     lowest row wins, as in `Tree.children`."""
-    import torch
-
     t = tokens.shape[0]
     rows = torch.arange(t, device=tokens.device)
     cur = torch.zeros((), dtype=torch.long, device=tokens.device)

@@ -4,15 +4,15 @@ Projections, norms, MLPs and the rotary table are the HF modules themselves (sha
 so numerics match the HF forward; what is ours is the forward: explicit positions (1-D or M-RoPE),
 a static KV cache written by index, and attention through `glance::tree_attention`. With
 `pack_rows` > 0 (fp32 on a CPU, eager or compiled) the linear layers run through oneDNN-prepacked copies of
-their weights instead (`glance_rt.linear`).
+their weights instead (`glance_rt.models.linear`).
 """
 
 import torch
 from torch import Tensor, nn
 
-from glance_rt.attention import tree_attention
-from glance_rt.kv_cache import KVCache
-from glance_rt.linear import packed
+from glance_rt.models.attention import tree_attention
+from glance_rt.models.kv_cache import KVCache
+from glance_rt.models.linear import packed
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -102,6 +102,7 @@ class TargetDecoder(nn.Module):
         self.rotary_emb = tm.rotary_emb
         self.lm_head = packed(parts.lm_head, pack_rows)
         self.feature_layers = tuple(feature_layers)
+        self.mrope = bool(parts.mrope)  # positions are [3, 1, T] (M-RoPE), else [1, T]
         w = self.embed_tokens.weight
         self.cache = KVCache(len(self.layers), n_kv, max_len, head_dim, w.dtype, w.device)
 

@@ -7,10 +7,11 @@ Stages, each cached under `--out` and skipped when done:
   4. eval       mean accepted length tau per kind on held-out prompts    eval.json
 Every file is written to a temp name then renamed, so a killed run (even kill -9) leaves only
 complete parts; `--resume` continues from them. Data parallel: run under
-`torchrun --nproc_per_node N -m glance_rt.train ...` (gloo on CPU): prompts and batches are split
+`torchrun --nproc_per_node N -m glance_rt.cli train ...` (gloo on CPU): prompts and batches are split
 across ranks, gradients all-reduced, rank 0 writes checkpoints.
 """
 
+import copy
 import json
 import math
 import os
@@ -24,7 +25,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from glance_rt.errors import GlanceError
-from glance_rt.linear import packed_linears
+from glance_rt.files import atomic_write, open_images
+from glance_rt.hf.arch import extend_inputs
+from glance_rt.models.drafter import (
+    build_target_layer_ids,
+    init_drafter,
+    inv_freq,
+    read_drafter,
+    rope_tables,
+    save_drafter,
+)
+from glance_rt.models.linear import packed_linears
+from glance_rt.round.loop import Decoder
+from glance_rt.tools.suites import cap_per_kind, default_corpus_path, read_prompts
 
 PART_SIZE = 64  # prompts per response/feature part file
 PACK_ROWS = 32  # row hint of the oneDNN weight layout in the response and feature stages (any row count runs)
@@ -72,20 +85,6 @@ class TrainConfig:
 # ----------------------------------------------------------------------------- small utilities
 
 
-def atomic_write(path: Path, write) -> None:
-    """`write(tmp_path)` then rename onto `path`: readers see the old file or the complete new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _dist():
     """(rank, world) under torchrun, else (0, 1); initialises gloo once."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -109,19 +108,6 @@ def _bar(total: int, desc: str, rank: int, initial: int = 0):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, desc=desc, disable=rank != 0, dynamic_ncols=True, smoothing=0.1)
-
-
-def open_images(row: dict, images_dir: str | None) -> list:
-    from PIL import Image, UnidentifiedImageError
-
-    out = []
-    for name in row.get("images") or ():
-        path = Path(images_dir or ".") / name
-        try:
-            out.append(Image.open(path).convert("RGB"))
-        except (OSError, UnidentifiedImageError) as e:
-            raise GlanceError(f"prompt {row.get('id', '?')}: image {path} could not be opened ({e})") from e
-    return out
 
 
 # ----------------------------------------------------------------------------- run folder
@@ -154,8 +140,6 @@ def prepare_out(cfg: TrainConfig, target, rank: int) -> Path:
 
 
 def load_rows(cfg: TrainConfig) -> list[dict]:
-    from glance_rt.corpus import default_corpus_path, read_prompts
-
     rows = read_prompts(cfg.prompts or default_corpus_path())
     for i, row in enumerate(rows):
         row.setdefault("id", f"p{i:06d}")
@@ -166,8 +150,6 @@ def load_rows(cfg: TrainConfig) -> list[dict]:
 
 def training_rows(rows: list[dict], per_kind: int | None) -> list[dict]:
     """The prompts responses and features are made for: the train split, at most `per_kind` of each kind."""
-    from glance_rt.suites import cap_per_kind
-
     return cap_per_kind([r for r in rows if r["split"] == "train"], per_kind)
 
 
@@ -277,7 +259,6 @@ def _write_features(target, cfg: TrainConfig, responses: Path, path: Path, layer
     """One part: a full-sequence forward per response, its layers' states as bf16 safetensors."""
     from safetensors.torch import save_file
 
-    from glance_rt.arch import extend_inputs
 
     rows = [json.loads(x) for x in responses.read_text().splitlines() if x]
     tensors, meta = {}, []
@@ -322,17 +303,14 @@ def load_features(out: Path, n_parts: int, split: str = "train") -> list[Sequenc
 
 def block_forward(drafter, embed: Tensor, features: Tensor, ids: Tensor, anchors: Tensor) -> Tensor:
     """The training pass for one sequence: K blocks `[x_a, M, ..., M]` at anchors a [K], all in one
-    pass. Each block sees the context rows strictly before its anchor and its own rows (a
-    block-sparse mask), exactly what `DraftPass` sees at inference. features [L, F], ids [L]
-    -> normed hidden of depths 1..B-1 [K, B-1, H]."""
-    from glance_rt.drafter import inv_freq, layer_out, layer_qkv, rope_tables
-    from glance_rt.model import apply_rope
-
+    drafter forward (`GlanceDrafter.forward`, the inference pass's too). Each block sees the context
+    rows strictly before its anchor and its own rows (a block-sparse mask), exactly what `DraftPass`
+    sees at inference. features [L, F], ids [L] -> normed hidden of depths 1..B-1 [K, B-1, H]."""
     c = drafter.config
     b, k_blocks, length = c.block_size, anchors.shape[0], ids.shape[0]
     w = drafter.fc.weight
     pos = anchors[:, None] + torch.arange(b)  # [K, B] token index of each block row
-    ctx = drafter.hidden_norm(drafter.fc(features.to(w.dtype)))[None]  # [1, L, H]
+    ctx = drafter.context(features)[None]  # [1, L, H]
     first = embed[ids[anchors]][:, None]  # [K, 1, H]
     mask_vec = drafter.mask_embedding if c.learned_mask else embed[c.mask_token_id]
     h = torch.cat([first, mask_vec.expand(k_blocks, b - 1, -1)], 1)  # [K, B, H]
@@ -340,16 +318,18 @@ def block_forward(drafter, embed: Tensor, features: Tensor, ids: Tensor, anchors
     q_block = torch.arange(k_blocks).repeat_interleave(b)  # [KB] block of each query row
     ctx_vis = torch.arange(length)[None, :] < anchors[q_block][:, None]  # [KB, L]
     blk_vis = q_block[:, None] == q_block[None, :]  # [KB, KB]
-    mask = torch.cat([ctx_vis, blk_vis], 1)[None, None]
+    mask = torch.cat([ctx_vis, blk_vis], 1)[None, None]  # [1, 1, KB, L+KB]
     cos, sin = rope_tables(inv_freq(c), torch.cat([torch.arange(length), pos.flatten()]), w.dtype)
     groups = c.num_attention_heads // c.num_key_value_heads
-    for layer in drafter.layers:
-        q, k, v = layer_qkv(layer, c, ctx, h)
-        q, k = apply_rope(q, cos[:, length:], sin[:, length:]), apply_rope(k, cos, sin)
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c.head_dim**-0.5)
-        h = layer_out(layer, h, attn)
-    return drafter.norm(h).view(k_blocks, b, -1)[:, 1:]  # [K, B-1, H]
+
+    def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # keys: the whole context, then the blocks
+        k_ctx, v_ctx = drafter.context_kv(i, ctx, cos[:, :length], sin[:, :length])
+        k = torch.cat([k_ctx, k], 2).repeat_interleave(groups, 1)  # [1, nh, L+KB, D]
+        v = torch.cat([v_ctx, v], 2).repeat_interleave(groups, 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c.head_dim**-0.5)
+
+    out = drafter(h, cos[:, length:], sin[:, length:], attend)  # [1, KB, H]
+    return out.view(k_blocks, b, -1)[:, 1:]  # [K, B-1, H]
 
 
 def block_loss(drafter, embed: Tensor, head: Tensor, seq: Sequence, anchors: Tensor, gamma: float,
@@ -428,8 +408,6 @@ def latest_checkpoint(out: Path) -> Checkpoint | None:
 def save_checkpoint(drafter, opt, step: int, out: Path, keep: int = 2) -> None:
     """Write `checkpoints/step-N/` (drafter folder + optimizer state) via a temp folder and a
     rename; on failure (disk full) the previous checkpoints stay intact and nothing partial remains."""
-    from glance_rt.drafter import save_drafter
-
     final = out / "checkpoints" / f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=".ckpt.", dir=out))
     try:
@@ -450,8 +428,6 @@ def save_checkpoint(drafter, opt, step: int, out: Path, keep: int = 2) -> None:
 
 
 def stage_train(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world: int, n_parts: int, evaluate):
-    from glance_rt.drafter import init_drafter, read_drafter
-
     if (out / "drafter" / "model.safetensors").exists():  # trained already: skip loading the features
         return read_drafter(out / "drafter")
     seqs = load_features(out, n_parts, "train")
@@ -523,7 +499,6 @@ def stage_train(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world
     bar.close()
     drafter.eval().requires_grad_(False)
     if rank == 0:
-        from glance_rt.drafter import save_drafter
 
         save_drafter(drafter, out / "drafter", dtype=torch.bfloat16)
     _barrier(world)
@@ -537,9 +512,7 @@ def evaluate_tau(target, drafter, rows: list[dict], cfg: TrainConfig, per_kind: 
                  lookup: int = 0) -> dict:
     """Mean accepted length (tokens committed per round) on held-out prompts, per kind, with the
     real decoder and the given tree budget (`lookup` > 0: with prompt-lookup chains grafted in)."""
-    import copy
 
-    from glance_rt.decoder import Decoder
 
     drafter = copy.deepcopy(drafter).to(target.dtype).eval().requires_grad_(False)  # never touch the trained one
     held: dict[str, list] = {}
@@ -567,8 +540,6 @@ def evaluate_tau(target, drafter, rows: list[dict], cfg: TrainConfig, per_kind: 
 
 def train(target, cfg: TrainConfig):
     """Run (or resume) every stage; returns (drafter, eval results)."""
-    from glance_rt.drafter import build_target_layer_ids
-
     if not 2 <= cfg.block_size <= 64:
         raise GlanceError(f"block_size must be in [2, 64], got {cfg.block_size}")
     rank, world = _dist()
@@ -602,13 +573,3 @@ def train(target, cfg: TrainConfig):
             atomic_write(eval_file, lambda p: p.write_text(json.dumps(result, indent=2)))
     _barrier(world)
     return drafter, result
-
-
-def main(argv=None):
-    from glance_rt.cli import train as train_command
-
-    train_command.main(args=argv, standalone_mode=True)
-
-
-if __name__ == "__main__":
-    main()

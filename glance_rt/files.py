@@ -1,0 +1,38 @@
+"""Helpers shared by the runtime and the tools: atomic writes and opening images."""
+
+import os
+import tempfile
+from pathlib import Path
+
+from glance_rt.errors import GlanceError
+
+
+def atomic_write(path: Path, write) -> None:
+    """`write(tmp_path)` then rename onto `path`: readers see the old file or the complete new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def open_image(path, what: str = "image"):
+    """A PIL RGB image, or a GlanceError saying which file could not be opened."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        return Image.open(path).convert("RGB")
+    except (OSError, UnidentifiedImageError) as e:
+        raise GlanceError(f"could not open {what} {str(path)!r} ({e}); give a PNG/JPEG file") from e
+
+
+def open_images(row: dict, images_dir: str | None) -> list:
+    """The images of a prompt row (`images`: paths relative to `images_dir`)."""
+    return [open_image(Path(images_dir or ".") / name, f"prompt {row.get('id', '?')}'s image")
+            for name in row.get("images") or ()]

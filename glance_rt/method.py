@@ -1,0 +1,80 @@
+"""What to run, described once: a `Method` (tree budget, prompt lookup, chain, backend or engine)
+with the Python API's defaults, parsed from the names `glance-rt bench --methods` takes and built
+from the options `generate` and `audit` share; and the one rule that sizes the static caches to a job.
+
+The defaults are the fastest lossless configuration measured on the default target without a
+built engine (docs/benchmarks.md): GLANCE trees of 8 draft nodes with a prompt-lookup chain of
+n-grams up to 3 grafted in, eager passes.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from glance_rt.errors import GlanceError
+
+DEFAULT_TREE_BUDGET = 8  # draft nodes verified per round
+DEFAULT_LOOKUP = 3  # largest n-gram a prompt-lookup chain matches (on a drafter's trees)
+DEFAULT_MAX_LENGTH = 2048  # a Decoder's static cache rows when nothing sizes it to a job
+MAX_SCRATCH_BLOCK = 64  # a round's scratch holds the drafter's block: at most MAX_BLOCK_SIZE rows
+KINDS = ("ar", "chain", "tree", "adaptive")
+BACKENDS = ("eager", "compile", "plain")  # plain: eager with the HF modules' own linear layers (no prepacking)
+
+
+@dataclass(frozen=True)
+class Method:
+    """How to decode. `kind`: "tree" (GLANCE trees of `tree_budget` draft nodes), "chain" (the
+    width-1 tree, DFlash-style), "ar" (autoregression through the same verify pass) or "adaptive"
+    (a budget bucket per round from the entropy law; needs a calibrated `AdaptiveBudget`).
+    `lookup`: prompt-lookup n-gram grafted into a drafter's trees (None: `DEFAULT_LOOKUP` where it
+    applies, 0: none). `backend`: eager, compile or plain. `engine`: a built engine's folder (its
+    manifest fixes the budget buckets, chain and shapes; the backend is the engine's; `tree_budget`
+    None: its largest bucket)."""
+
+    kind: str = "tree"
+    tree_budget: int | None = DEFAULT_TREE_BUDGET
+    lookup: int | None = None
+    backend: str = "eager"
+    engine: str | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise GlanceError(f"unknown method kind {self.kind!r}: choose one of {', '.join(KINDS)}")
+        if self.tree_budget is None and self.engine is None:
+            raise GlanceError("tree_budget=None means an engine's largest budget: give a budget or an engine")
+        if self.backend not in BACKENDS:
+            raise GlanceError(f"unknown backend {self.backend!r}: choose one of {', '.join(BACKENDS)} "
+                              "(built engines run with --engine DIR)")
+
+    @classmethod
+    def parse(cls, text: str) -> "Method":
+        """`ar`, `chain`, `tree-N`, `tree-N+lookup` or `adaptive`, each optionally `@compile` or
+        `@plain` (`tree-8+lookup@compile`). A bare `tree-N` drafts with the drafter alone."""
+        base, at, backend = text.strip().partition("@")
+        backend = backend if at else "eager"
+        if backend not in BACKENDS:
+            raise GlanceError(f"unknown backend in method {text!r}: use @{', @'.join(BACKENDS[1:])} or none (eager)")
+        if base in ("ar", "chain", "adaptive"):
+            return cls(kind=base, lookup=0, backend=backend)
+        tree, plus, extra = base.partition("+")
+        if tree.startswith("tree-") and tree[5:].isdigit() and (plus, extra) in (("", ""), ("+", "lookup")):
+            return cls(tree_budget=int(tree[5:]), lookup=DEFAULT_LOOKUP if extra else 0, backend=backend)
+        raise GlanceError(f"unknown method {text!r}: use ar, chain, tree-N, tree-N+lookup or adaptive, each "
+                          "optionally @compile or @plain")
+
+    @property
+    def name(self) -> str:
+        """The name `parse` reads back (engines: `…@engine:FOLDER`)."""
+        base = f"tree-{self.tree_budget}" if self.kind == "tree" else self.kind
+        if self.kind == "tree" and self.lookup != 0:
+            base += "+lookup"
+        if self.engine is not None:
+            return f"{base}@engine:{Path(self.engine).name}"
+        return base if self.backend == "eager" else f"{base}@{self.backend}"
+
+
+def job_max_length(prompt_tokens: int, max_new_tokens: int, budgets=()) -> int:
+    """The one rule for static cache rows, used wherever a job is known (generate, audit, bench):
+    its longest prompt + max_new_tokens + one round's scratch (the largest tree verified, or a
+    drafter block), rounded up to 64. Static backends attend over all of them: no more than needed."""
+    scratch = max([b + 1 for b in budgets] + [MAX_SCRATCH_BLOCK])
+    return -(-(prompt_tokens + max_new_tokens + scratch) // 64) * 64

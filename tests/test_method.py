@@ -1,0 +1,68 @@
+"""`glance_rt.method`: one description of what to run, parsed once, with the API's defaults; the
+one rule that sizes static caches to a job."""
+
+import inspect
+
+import pytest
+
+import glance_rt
+from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_TREE_BUDGET, Method, job_max_length
+
+
+@pytest.mark.parametrize("text,want", [
+    ("ar", Method(kind="ar", lookup=0)),
+    ("chain@compile", Method(kind="chain", lookup=0, backend="compile")),
+    ("tree-16", Method(tree_budget=16, lookup=0)),
+    ("tree-8+lookup@plain", Method(tree_budget=8, lookup=DEFAULT_LOOKUP, backend="plain")),
+    ("adaptive@compile", Method(kind="adaptive", lookup=0, backend="compile")),
+])
+def test_parse_and_name_round_trip(text, want):
+    assert Method.parse(text) == want
+    assert want.name == text
+    assert Method.parse(want.name) == want
+
+
+@pytest.mark.parametrize("text", ["tree", "tree-x", "tree-8+lookahead", "chain@tensorrt", "beam-4", "tree-8@"])
+def test_unknown_methods_are_refused(text):
+    with pytest.raises(glance_rt.GlanceError, match="method|backend"):
+        Method.parse(text)
+
+
+def test_api_cli_and_method_share_defaults():
+    """Decoder(), Method() and `glance-rt generate` / `audit` describe the same default method."""
+    from glance_rt.cli import audit, generate
+
+    default = Method()
+    assert (default.kind, default.tree_budget, default.lookup, default.backend) == ("tree", DEFAULT_TREE_BUDGET,
+                                                                                    None, "eager")
+    assert default.name == f"tree-{DEFAULT_TREE_BUDGET}+lookup"
+    params = inspect.signature(glance_rt.Decoder).parameters
+    assert params["tree_budget"].default == DEFAULT_TREE_BUDGET and params["lookup"].default is None
+    assert params["backend"].default == default.backend
+    for command in (generate, audit):
+        opts = {p.name: p for p in command.params}
+        assert opts["tree_budget"].default is None and opts["lookup"].default is None  # -> the defaults above
+        assert opts["backend"].default == default.backend and opts["max_length"].default is None
+
+
+def test_default_lookup_applies_to_drafter_trees_only():
+    from tests.conftest import tiny_target
+
+    target, _, _ = tiny_target("llama")
+    drafter = glance_rt.init_drafter(target, block_size=4)
+    assert glance_rt.Decoder(target, drafter, max_length=128).lookup == DEFAULT_LOOKUP
+    assert glance_rt.Decoder(target, drafter, chain=True, max_length=128).lookup == 0
+    assert glance_rt.Decoder(target, None, max_length=128).lookup == 0
+    with pytest.raises(glance_rt.GlanceError, match="lookup=3"):
+        glance_rt.Decoder(target, None, lookup=3, max_length=128)
+    dec = glance_rt.Decoder.from_method(Method.parse("tree-6+lookup"), target, drafter, max_length=128)
+    assert (dec.tree_budget, dec.lookup, dec.chain, dec.backend.name) == (6, DEFAULT_LOOKUP, False, "eager")
+    assert glance_rt.Decoder.from_method(Method.parse("ar"), target, drafter, max_length=128).drafter is None
+    assert not glance_rt.Decoder.from_method(Method.parse("tree-6@plain"), target, drafter, max_length=128).prepack
+
+
+def test_job_max_length():
+    assert job_max_length(100, 128) == 320  # 100 + 128 + a 64-row block, up to a multiple of 64
+    assert job_max_length(100, 128, [8]) == 320
+    assert job_max_length(100, 128, [100]) == 384  # the largest tree's 101 rows
+    assert job_max_length(1, 1) == 128
