@@ -111,6 +111,7 @@ def test_cli_bench(tmp_path):
     assert "| ar |" in r.stdout and json.loads((tmp_path / "r.json").read_text())["target"]
 
 
+@pytest.mark.full
 def test_compiled_and_engine_methods_are_compared_with_their_eager_method(tmp_path):
     from glance_rt.engines.engine import build_engine
     from glance_rt.tools.bench import suite_max_length

@@ -16,6 +16,8 @@ from tests.conftest import hf_greedy, tiny_target, vocab_drafter
 from tests.test_cli import model_folder
 from tests.tiny_models import VLM_ARCHS, make_inputs
 
+pytestmark = pytest.mark.full  # builds engines / exports graphs: the full tier (docs/testing.md)
+
 NEW = 20
 
 

@@ -23,6 +23,8 @@ from tests.test_attention import random_tree_mask
 from tests.test_cli import model_folder
 from tests.tiny_models import make_inputs
 
+pytestmark = pytest.mark.full  # builds engines / exports graphs: the full tier (docs/testing.md)
+
 ort = pytest.importorskip("onnxruntime")
 
 

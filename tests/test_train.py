@@ -169,6 +169,7 @@ def test_tiny_vlm_trains_end_to_end_with_images(tmp_path):
     assert (ids == target.parts.image_token_id).sum() > 0  # image positions are in the context
 
 
+@pytest.mark.full
 def test_data_parallel_two_processes_matches_one(tmp_path):
     model, processor = make_tiny("llama")
     folder = tmp_path / "model"

@@ -19,6 +19,8 @@ from glance_rt.hf.arch import capture_prefill
 from tests.conftest import hf_greedy, tiny_target
 from tests.test_cli import model_folder
 
+pytestmark = pytest.mark.full  # builds engines / exports graphs: the full tier (docs/testing.md)
+
 pytest.importorskip("onnxruntime")
 SIZES = [(56, 56), (84, 56)]
 

@@ -281,13 +281,9 @@ def static_passes(make_fns: Callable, chunk: int, exact_prefill: bool = False) -
             raise GlanceError("compiled and engine backends run a GlanceDrafter (glance_rt.load_drafter); "
                               "use backend='eager' for other drafter objects")
         graphs = StaticGraphs(verifier, draft)
-        block = draft.block_size if draft is not None else 1
-        return StaticPasses(graphs, make_fns(graphs), StaticShapes(chunk, block, exact_prefill))
+        return StaticPasses(graphs, make_fns(graphs), StaticShapes(chunk, graphs.block_size, exact_prefill))
 
     return build
-
-
-BACKENDS = ("eager", "compile")
 
 
 def verify_by_rows(verify: dict):
@@ -301,6 +297,9 @@ def verify_by_rows(verify: dict):
         return graph(tokens, *rest)
 
     return run_verify
+
+
+BACKENDS = ("eager", "compile")
 
 
 def named_backend(name: str, chunk: int = 64) -> Backend:
