@@ -123,7 +123,7 @@ def generate(target_path, drafter_path, images, prompt, max_new_tokens, method, 
         target, dec, (inputs,) = _method_decoder(method, target_path, drafter_path, dtype, device, max_length,
                                                  lambda t: [t.encode_chat(prompt, pil)], max_new_tokens)
         if compare:
-            click.echo(f"[glance-rt] warming up {_describe(dec)} (compiles or loads every graph) ...", err=True)
+            click.echo(f"[glance-rt] warming up {_describe(dec)} ...", err=True)
             dec.warmup()
         start = time.perf_counter()
         stream = dec.stream(max_new_tokens=max_new_tokens, **inputs)
@@ -278,7 +278,7 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, me
         from glance_rt.files import atomic_write
 
         report = audit_mod.to_json(results, {"target": target.name, "dtype": str(target.dtype).removeprefix("torch."),
-                                             "threshold": threshold, "method": method.name,
+                                             "threshold": threshold, "method": dec.method_name,
                                              "tree_budget": dec.tree_budget, "chain": dec.chain, "lookup": dec.lookup,
                                              "backend": dec.backend.name, "engine": method.engine,
                                              "drafter": drafter_path or ("default" if dec.drafter else None)})

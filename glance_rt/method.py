@@ -64,7 +64,7 @@ class Method:
     @property
     def name(self) -> str:
         """The name `parse` reads back (engines: `…@engine:FOLDER`)."""
-        base = f"tree-{self.tree_budget}" if self.kind == "tree" else self.kind
+        base = f"tree-{self.tree_budget}" if self.kind == "tree" and self.tree_budget is not None else self.kind
         if self.kind == "tree" and self.lookup != 0:
             base += "+lookup"
         if self.engine is not None:

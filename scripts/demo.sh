@@ -5,10 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-DEFAULT_PROMPT="Copy this paragraph exactly, then explain in two sentences what it means:
-Speculative decoding lets a small draft model propose several tokens at once. The large target model then
-checks all of them in a single forward pass and keeps the longest prefix it agrees with, plus one token of
-its own. Because every kept token is one the target would have chosen, the output is exactly the same as
-decoding with the target alone, only faster."
-exec .venv/bin/glance-rt generate --compare --max-new-tokens "${MAX_NEW_TOKENS:-160}" \
+DEFAULT_PROMPT="Convert this table to a JSON list of objects with the keys name, version and size:
+
+name,version,size
+libcbor0.8,0.8.0-2,98
+libssl3,3.0.11-1,6042
+zlib1g,1.2.13-1,168
+libgmp10,6.2.1-3,855
+libffi8,3.4.4-1,68"
+exec .venv/bin/glance-rt generate --compare --max-new-tokens "${MAX_NEW_TOKENS:-128}" \
   --prompt "${PROMPT:-$DEFAULT_PROMPT}" "$@"

@@ -147,4 +147,4 @@ def test_cli_build_engine_then_generate(tmp_path_factory, tmp_path):
         assert result.exit_code == 0, result.output
         report = json.loads((tmp_path / "a.json").read_text())
         assert report["exact"] == report["total"] == 2 and report["backend"] == "aoti"
-        assert report["tree_budget"] == int(budget)
+        assert report["tree_budget"] == int(budget) and report["method"] == f"tree-{budget}+lookup@aoti"

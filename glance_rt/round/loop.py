@@ -157,6 +157,16 @@ class Decoder:
                    backend="eager" if plain else method.backend, prepack=False if plain else None)
 
     @property
+    def method_name(self) -> str:
+        """What this decoder runs, in `Method.parse`'s words (`tree-8+lookup@compile`); an engine's
+        backend is named after the `@` (`tree-8+lookup@aoti`)."""
+        base = "ar" if self.drafter is None else "chain" if self.chain else f"tree-{self.tree_budget}"
+        if self.policy is not None:
+            base = "adaptive"
+        base += "+lookup" if self.lookup else ""
+        return base if self.backend.name == "eager" else f"{base}@{self.backend.name}"
+
+    @property
     def budgets(self) -> list[int]:
         """The tree budgets this decoder's rounds may use (one verify shape each)."""
         return [b.budget for b in self.policy.buckets] if self.policy is not None else [self.tree_budget]

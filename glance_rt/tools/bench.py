@@ -116,8 +116,7 @@ def _decoder_runner(dec, cfg: BenchConfig):
 
 def engine_method(dec, folder) -> str:
     """`tree-32@aoti:NAME`: the eager method it computes, the engine's backend and folder name."""
-    base = "ar" if dec.drafter is None else "chain" if dec.chain else f"tree-{dec.tree_budget}"
-    return f"{base}{'+lookup' if dec.lookup else ''}@{dec.backend.name}:{Path(folder).name}"
+    return f"{dec.method_name}:{Path(folder).name}"
 
 
 def make_runner(method: str, target, drafter, cfg: BenchConfig):
