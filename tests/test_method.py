@@ -64,6 +64,10 @@ def test_default_lookup_applies_to_drafter_trees_only():
 
 
 def test_job_max_length():
+    from glance_rt.method import MAX_SCRATCH_BLOCK
+    from glance_rt.models.drafter import MAX_BLOCK_SIZE
+
+    assert MAX_SCRATCH_BLOCK == MAX_BLOCK_SIZE  # the light module's copy of the drafter's limit
     assert job_max_length(100, 128) == 320  # 100 + 128 + a 64-row block, up to a multiple of 64
     assert job_max_length(100, 128, [8]) == 320
     assert job_max_length(100, 128, [100]) == 384  # the largest tree's 101 rows
