@@ -88,7 +88,7 @@ def budget_figures(target, drafter, backend: str, budget: int, pre, args, device
         return dec.passes.draft(ctx[:1], args.context - 1, 0, args.context)
 
     draft_logits = draft()
-    tree = build_tree(draft_logits.float().cpu(), 0, budget)
+    tree = build_tree(draft_logits, 0, budget)
     tokens = torch.from_numpy(tree.tokens).to(device)
     mask = torch.from_numpy(tree.mask).to(device)
     positions = (torch.from_numpy(tree.depth).to(device) + args.context)[None]
@@ -97,7 +97,7 @@ def budget_figures(target, drafter, backend: str, budget: int, pre, args, device
         return dec.passes.verify(tree, tokens, positions, args.context, mask)
 
     def round_():
-        t = build_tree(draft().float().cpu(), 0, budget)
+        t = build_tree(draft(), 0, budget)
         _, _, _, path = dec.passes.verify(t, torch.from_numpy(t.tokens).to(device), positions,
                                           args.context, torch.from_numpy(t.mask).to(device))
         dec.passes.commit(path, args.context)

@@ -108,7 +108,7 @@ def build_tree(draft_logits: Tensor | None, root: int, budget: int, chain: bool 
         return _pack([root], [-1], [0], 1)
     lp = torch.log_softmax(draft_logits.float(), dim=-1).nan_to_num(nan=-1e30, neginf=-1e30)
     width = 1 if chain else min(budget, lp.shape[-1])
-    top_lp, top_ids = torch.topk(lp, width, dim=-1)  # [D, K]
+    top_lp, top_ids = (x.cpu() for x in torch.topk(lp, width, dim=-1))  # [D, K]: only these reach the host
     top_ids = top_ids.numpy() if vocab is None else vocab[top_ids.numpy()]
     lookup = [] if chain else list(lookup)[: min(len(lp), budget // 2)]
     tokens, parent, depth = best_first(top_lp.numpy(), top_ids, budget, lookup)
