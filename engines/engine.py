@@ -6,11 +6,18 @@ from pathlib import Path
 
 from glance_rt.engines import aoti, onnxruntime
 from glance_rt.errors import GlanceError, require
-from glance_rt.export.manifest import FORMAT, check_manifest, read_manifest, source, versions, write_manifest
+from glance_rt.export.manifest import (
+    FORMAT,
+    check_manifest,
+    graph_budgets,
+    read_manifest,
+    source,
+    versions,
+    write_manifest,
+)
 from glance_rt.hf.target import load_target
 from glance_rt.models.drafter import load_drafter
 from glance_rt.round.adaptive import AdaptiveBudget
-from glance_rt.round.tree import check_budget
 from glance_rt.round.verify import Backend, static_graphs, static_passes
 
 ENGINE_BACKENDS = ("aoti", "onnxruntime")
@@ -48,16 +55,12 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     if image_sizes and backend != "onnxruntime":
         raise GlanceError("vision graphs (--image-size) are built for onnxruntime engines; an aoti engine runs the "
                           "vision tower in torch at prefill")
-    budgets = tuple(sorted(set(budgets))) if drafter is not None else (0,)
-    for b in budgets:
-        check_budget(b or 1)
+    budgets = graph_budgets(drafter, budgets, max_len, chunk)
     out = Path(out)
     config = {"backend": backend, "budgets": list(budgets), "chain": chain, "max_len": max_len, "chunk": chunk,
               "flavor": flavor, "image_sizes": image_sizes}
     if (out / "manifest.json").exists():
         raise GlanceError(f"{out} already holds an engine: pick another --out, or delete it to rebuild")
-    if max_len < 2 or chunk < 1:
-        raise GlanceError(f"max_len must be at least 2 and chunk at least 1, got {max_len} and {chunk}")
     graphs = static_graphs(target, drafter, max_len)  # the plain weights: they are what gets traced
     manifest = {"format": FORMAT, **config, "block_size": drafter.block_size if drafter is not None else 1,
                 "source": source(target, drafter), "versions": versions(),

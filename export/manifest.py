@@ -14,6 +14,7 @@ import torch
 
 from glance_rt import __version__
 from glance_rt.errors import GlanceError
+from glance_rt.round.tree import check_budget
 
 FORMAT = "glance-rt/engine/1"
 
@@ -112,3 +113,19 @@ def describe_graphs(info: dict) -> str:
         lines += [f"| out | {n} | {s} | {d} |" for n, s, d in g["outputs"]]
         lines.append("")
     return "\n".join(lines)
+
+
+def graph_budgets(drafter, budgets, max_len: int, chunk: int) -> tuple[int, ...]:
+    """The tree budgets an engine or export builds a verify graph for (sorted, distinct; (0,) for
+    autoregression), after checking them and the static shapes, as a Decoder would."""
+    if drafter is None:
+        budgets = (0,)  # autoregression: one verify graph of one row
+    else:
+        budgets = tuple(sorted(set(budgets)))
+        if not budgets:
+            raise GlanceError("no tree budget given: pass at least one (--tree-budget N)")
+        for b in budgets:
+            check_budget(b)
+    if max_len < 2 or chunk < 1:
+        raise GlanceError(f"max_len must be at least 2 and chunk at least 1, got {max_len} and {chunk}")
+    return budgets

@@ -19,9 +19,8 @@ import torch
 from torch import nn
 
 from glance_rt.errors import GlanceError, require
-from glance_rt.export.manifest import FORMAT, describe_graphs, source, versions, write_manifest
+from glance_rt.export.manifest import FORMAT, describe_graphs, graph_budgets, source, versions, write_manifest
 from glance_rt.export.vision import export_vision
-from glance_rt.round.tree import check_budget
 from glance_rt.round.verify import StaticShapes, example_inputs, static_graphs
 
 FLAVORS = ("portable", "plugin")
@@ -212,14 +211,12 @@ def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20
     `image_sizes`: (W, H) image buckets to export a VLM's vision graphs for."""
 
 
-    budgets = tuple(sorted(set(budgets))) if drafter is not None else (0,)
+    budgets = graph_budgets(drafter, budgets, max_len, chunk)
     out = Path(out)
     if (out / "manifest.json").exists():
         raise GlanceError(f"{out} already holds an export: pick another --out, or delete it to export again")
     if out.exists() and any(p.suffix not in (".onnx", ".data") for p in out.iterdir()):
         raise GlanceError(f"{out} is not empty and holds no unfinished export: pick an empty or new --out folder")
-    for b in budgets:
-        check_budget(b or 1)
     graphs = export_onnx(static_graphs(target, drafter, max_len), out, budgets, chain, chunk, flavor, opset, progress)
     vision = {}
     if image_sizes:

@@ -124,3 +124,20 @@ def test_missing_optional_dependency_names_the_install_command(monkeypatch, tmp_
     r = CliRunner().invoke(main, ["build-engine", "--backend", "onnxruntime", "--target", str(tmp_path / "m"),
                                   "--out", str(tmp_path / "c")])
     assert r.exit_code == 1 and "pip install 'glance-rt[onnx]'" in r.output and "Traceback" not in r.output
+
+
+def test_engine_and_export_shapes_are_checked_before_any_work(tmp_path):
+    """build-engine and export refuse bad budgets and static shapes up front, as a Decoder does."""
+    from glance_rt.engines.engine import build_engine
+    from glance_rt.export.onnx import export_model
+
+    target, _, _ = tiny_target("llama")
+    drafter = glance_rt.init_drafter(target, block_size=4)
+    for build in (build_engine, export_model):
+        with pytest.raises(GlanceError, match="max_len must be at least 2"):
+            build(target, drafter, tmp_path / "a", max_len=1, progress=False)
+        with pytest.raises(GlanceError, match="chunk at least 1"):
+            build(target, None, tmp_path / "b", chunk=0, progress=False)
+        with pytest.raises(GlanceError, match="budget"):
+            build(target, drafter, tmp_path / "c", budgets=(0,), progress=False)
+    assert not any(tmp_path.iterdir())  # nothing written
