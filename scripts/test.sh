@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check glance_rt export engines tests scripts
+.venv/bin/ruff check glance_rt export engines plugins tests scripts
 if [ "${1:-}" = "--fast" ]; then
   shift
   set -- -m "not slow and not full" "$@"

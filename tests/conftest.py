@@ -1,4 +1,5 @@
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -7,6 +8,8 @@ import torch
 from glance_rt.hf.arch import extend_inputs  # noqa: F401  (re-exported for tests)
 
 torch.set_num_threads(2)
+if not torch.cuda.is_available():  # Triton kernels run on CPU tensors through its interpreter (read at triton import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def has_cuda() -> bool:

@@ -5,6 +5,11 @@ are the committed prefix, visible to every query; rows `[prefix_len, prefix_len 
 queries' own rows, visible where `tree_mask[t, j]`; rows past that are invisible. One op covers
 prefill (causal mask), autoregression (`[[True]]`), tree verify (ancestor mask) and the drafter's
 block (all true). Prefix visibility is a length, not a mask.
+
+Implementations: `tree_attention_reference` (torch SDPA) on CPU and any device without its own;
+on CUDA, the Triton kernel in `glance_rt/plugins/tree_attention_triton.py` (reads prefix_len on the
+device, attends only the rows each query can see, CUDA-graph capturable), the same kernel the
+TensorRT plugin bakes into its engines.
 """
 
 import torch
@@ -29,7 +34,7 @@ def tree_attention_reference(
     kv_heads, d = k.shape[1], q.shape[3]
     groups = q.shape[1] // kv_heads
     t, kv_len = q.shape[2], k.shape[2]
-    if q.device.type == "cpu":  # reads prefix_len on the host: CPU-only (on CUDA, a sync inside a captured graph)
+    if q.device.type == "cpu":  # reads prefix_len on the host: CPU-only (elsewhere a sync, and none inside a graph)
         seen = int(prefix_len) + t  # rows past the queries' own are invisible: read only the ones seen
         k, v = k[:, :, :seen], v[:, :, :seen]  # [1, KVH, P+T, D]
         if t == 1 and bool(tree_mask[0, 0]):
@@ -54,6 +59,18 @@ def tree_attention(
 ) -> Tensor:
     """The named op. Shapes as in `tree_attention_reference`."""
     return tree_attention_reference(q, k, v, tree_mask, prefix_len, scale).contiguous()
+
+
+@tree_attention.register_kernel("cuda")
+def _(q, k, v, tree_mask, prefix_len, scale):
+    try:
+        from glance_rt.plugins.tree_attention_triton import tree_attention as triton_tree_attention
+    except ImportError as e:
+        from glance_rt.errors import GlanceError
+
+        raise GlanceError("tree attention on CUDA runs a Triton kernel: install triton (CUDA builds of torch "
+                          "bring it; otherwise pip install 'glance-rt[gpu]')") from e
+    return triton_tree_attention(q, k, v, tree_mask, prefix_len, scale)
 
 
 @tree_attention.register_fake

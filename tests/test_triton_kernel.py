@@ -1,0 +1,158 @@
+"""The Triton tree-attention kernel (plugins/tree_attention_triton.py): on CPU through Triton's
+interpreter (conftest sets TRITON_INTERPRET=1 without a GPU) against the torch reference op, and its
+ahead-of-time compile (PTX + cubin for sm_80/sm_90, no GPU needed) against the TensorRT launch ABI."""
+
+import math
+
+import pytest
+import torch
+
+from glance_rt.models.attention import tree_attention_reference
+from tests.test_attention import random_tree_mask
+
+triton_kernel = pytest.importorskip("glance_rt.plugins.tree_attention_triton", reason="triton is not installed")
+
+TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture
+def interpreter_bf16_dot(monkeypatch):
+    """Triton 3.9's interpreter multiplies bf16 tiles as their uint16 storage (`create_dot` calls
+    np.matmul on the raw bits; only fp8 is converted first). Convert bf16 to fp32 as the GPU's MMA
+    reads them, so the kernel's bf16 loads, casts and stores are checked here too."""
+    if torch.cuda.is_available():
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16:
+            def up(x):
+                return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+            a, b = up(a), up(b)
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+def device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def case(heads, kv_heads, t, prefix, d, dtype, seed, cache_rows=None):
+    """q, k, v, mask for one call; cache rows past prefix + T hold NaN (the kernel must never read them)."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_len = cache_rows or prefix + t + 9
+    q = torch.randn(1, heads, t, d, generator=gen)
+    k, v = (torch.randn(1, kv_heads, kv_len, d, generator=gen) for _ in range(2))
+    k[:, :, prefix + t :] = float("nan")
+    v[:, :, prefix + t :] = float("nan")
+    mask = random_tree_mask(t, gen)
+    return [x.to(device(), dtype) for x in (q, k, v)] + [mask.to(device())]
+
+
+def expected(q, k, v, mask, prefix, scale):
+    seen = prefix + q.shape[2]
+    q, k, v = (x.float().cpu() for x in (q, k[:, :, :seen], v[:, :, :seen]))
+    return tree_attention_reference(q, k, v, mask.cpu(), torch.tensor(prefix), scale)
+
+
+@pytest.mark.usefixtures("interpreter_bf16_dot")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1), (12, 2)])
+@pytest.mark.parametrize("t,prefix,d", [(1, 7, 16), (1, 70, 64), (5, 0, 16), (9, 13, 8), (17, 100, 32), (24, 64, 24)])
+def test_kernel_matches_reference(dtype, heads, kv_heads, t, prefix, d):
+    """Random trees, GQA ratios, prefix lengths (tiles cut mid-prefix and mid-tree), head dims that
+    need padding; a NaN-filled cache tail that must never be read."""
+    q, k, v, mask = case(heads, kv_heads, t, prefix, d, dtype, seed=heads * 1000 + t * 10 + prefix)
+    scale = 1 / math.sqrt(d)
+    got = triton_kernel.tree_attention(q, k, v, mask, torch.tensor(prefix, device=q.device), scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float().cpu(), expected(q, k, v, mask, prefix, scale), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_kernel_reads_cache_slices_and_transposed_queries():
+    """As the model calls it: q a transposed view of [1, T, H, D] projections, k and v the first rows
+    of a larger static cache (head stride max_len * D, not kv_len * D)."""
+    q, k, v, mask = case(6, 2, 5, 11, 16, torch.float32, seed=3, cache_rows=64)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # [1, H, T, D] view of [1, T, H, D]
+    got = triton_kernel.tree_attention(q, k[:, :, :30], v[:, :, :30], mask, torch.tensor(11, device=q.device), 0.25)
+    torch.testing.assert_close(got.cpu(), expected(q, k, v, mask, 11, 0.25), atol=2e-6, rtol=2e-6)
+
+
+def test_kernel_sees_prefix_by_length_not_by_mask():
+    """A 1-row autoregressive step ([[True]]) sees every prefix row: changing a prefix row's value
+    changes the output, a row past prefix + T does not (it is NaN and never read)."""
+    q, k, v, mask = case(4, 2, 1, 40, 16, torch.float32, seed=5)
+    mask[:] = True
+    p = torch.tensor(40, device=q.device)
+    a = triton_kernel.tree_attention(q, k, v, mask, p, 0.25)
+    v[:, :, 0] += 10
+    b = triton_kernel.tree_attention(q, k, v, mask, p, 0.25)
+    assert (a - b).abs().max() > 1e-3
+
+
+AOT_CASES = [(arch, dtype, 128) for arch in (80, 90) for dtype in ("float32", "float16", "bfloat16")]
+AOT_CASES += [(90, dtype, d) for dtype in ("float32", "bfloat16") for d in (64, 80, 256)]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """`compile_aot` of every case, in a process without TRITON_INTERPRET (the interpreter replaces
+    Triton's language, so nothing compiles beside it): (arch, dtype, head_dim) -> `describe`."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, sys\nfrom glance_rt.plugins import tree_attention_triton as m\n"
+            "out = {}\nfor arch, dtype, d in json.loads(sys.argv[1]):\n"
+            "    out[f'{arch}-{dtype}-{d}'] = m.describe(m.compile_aot(dtype, d, 8, d ** -0.5, arch))\n"
+            "print(json.dumps(out))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code, json.dumps(AOT_CASES)], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {tuple(int(x) if x.isdigit() else x for x in k.split("-")): v for k, v in json.loads(run.stdout).items()}
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_aot_compile_matches_plugin_abi(compiled, arch, dtype):
+    """`triton.compile` for sm_80/sm_90 with no GPU (ptxas runs: a cubin comes out), pinned PTX ISA;
+    the entry's parameters are the ABI's in order, then only zero-sized hidden scratch pointers."""
+    k = compiled[arch, dtype, 128]
+    types = triton_kernel.check_abi(k["ptx"], k["name"], k["shared"], k["scratch"])
+    assert types[:8] == ["u64"] * 5 + ["u32"] * 2 + ["u64"]
+    assert k["scratch"] == {"global_scratch_size": 0, "profile_scratch_size": 0}
+    v = triton_kernel.PTX_VERSION
+    assert f".target sm_{arch}" in k["ptx"] and f".version {v // 10}.{v % 10}" in k["ptx"]
+    assert k["cubin_bytes"] > 0
+    assert f".reqntid {k['num_warps'] * 32}" in k["ptx"]
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 256])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_aot_shared_memory_fits_without_opt_in(compiled, head_dim, dtype):
+    k = compiled[90, dtype, head_dim]
+    assert k["shared"] <= 48 * 1024
+    triton_kernel.check_abi(k["ptx"], k["name"], k["shared"], k["scratch"])
+
+
+def test_check_abi_rejects_a_mismatch(compiled):
+    """check_abi can fail: a kernel whose T parameter was specialised away, or that needs scratch."""
+    k = compiled[90, "float16", 128]
+    ptx = k["ptx"]
+    dropped = ptx.replace(f".param .u32 {k['name']}_param_5,", "", 1)
+    assert dropped != ptx
+    with pytest.raises(ValueError, match="do not start with"):
+        triton_kernel.check_abi(dropped, k["name"], k["shared"], k["scratch"])
+    with pytest.raises(ValueError, match="scratch memory"):
+        triton_kernel.check_abi(ptx, k["name"], k["shared"], {**k["scratch"], "global_scratch_size": 128})
+    with pytest.raises(ValueError, match="shared memory"):
+        triton_kernel.check_abi(ptx, k["name"], 64 * 1024, k["scratch"])
