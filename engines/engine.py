@@ -20,8 +20,9 @@ from glance_rt.models.drafter import load_drafter
 from glance_rt.round.adaptive import AdaptiveBudget
 from glance_rt.round.verify import Backend, static_graphs, static_passes
 
-ENGINE_BACKENDS = ("aoti", "onnxruntime")
-FLAVORS = {"aoti": ("frozen", "shared"), "onnxruntime": ("portable", "plugin")}  # the first is the default
+ENGINE_BACKENDS = ("aoti", "onnxruntime", "tensorrt")
+# the first flavor is the default
+FLAVORS = {"aoti": ("frozen", "shared"), "onnxruntime": ("portable", "plugin"), "tensorrt": ("plugin",)}
 
 
 def _backend(name: str):
@@ -30,6 +31,12 @@ def _backend(name: str):
     if name in ("onnxruntime", "onnx"):  # a `glance-rt export` folder also runs as-is
         require("onnx", "onnx", "onnxruntime", "onnxscript")
         return onnxruntime
+    if name == "tensorrt":
+        require("onnx", "onnx", "onnxscript")
+        require("tensorrt", "tensorrt", "triton")
+        from glance_rt.engines import tensorrt
+
+        return tensorrt
     raise GlanceError(f"unknown engine backend {name!r}: choose one of {', '.join(ENGINE_BACKENDS)}")
 
 
@@ -42,19 +49,22 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     weights into every package (Inductor freezing: oneDNN-packed linears on a CPU) and "shared" hands
     one copy of the running model's weights to all packages at load; for onnxruntime, "plugin" runs
     tree attention through glance-rt's compiled kernel library, built against the ONNX Runtime C API
-    headers in `ort_include`. `image_sizes` (onnxruntime, VLM targets): (W, H) image buckets to build
-    vision graphs for."""
-    impl = _backend(backend)
+    headers in `ort_include`; tensorrt takes "plugin" alone (its TreeAttention plugin runs the Triton
+    kernel) and needs a target on a CUDA GPU. `image_sizes` (onnxruntime and tensorrt, VLM targets):
+    (W, H) image buckets to build vision graphs for."""
+    if backend not in FLAVORS:
+        raise GlanceError(f"unknown engine backend {backend!r}: choose one of {', '.join(ENGINE_BACKENDS)}")
     flavor = FLAVORS[backend][0] if flavor is None else flavor
     if flavor not in FLAVORS[backend]:
-        owner = next((b for b, fl in FLAVORS.items() if flavor in fl), None)
+        owner = next((b for b, fl in FLAVORS.items() if flavor in fl and b != backend), None)
         raise GlanceError(f"flavor {flavor!r} with backend {backend!r}: "
                           + (f"the {flavor!r} flavor is for {owner} engines; " if owner else "")
                           + f"{backend} takes {' or '.join(FLAVORS[backend])}")
+    impl = _backend(backend)
     image_sizes = [list(s) for s in image_sizes]
-    if image_sizes and backend != "onnxruntime":
-        raise GlanceError("vision graphs (--image-size) are built for onnxruntime engines; an aoti engine runs the "
-                          "vision tower in torch at prefill")
+    if image_sizes and backend == "aoti":
+        raise GlanceError("vision graphs (--image-size) are built for onnxruntime and tensorrt engines; an aoti engine "
+                          "runs the vision tower in torch at prefill")
     budgets = graph_budgets(drafter, budgets, max_len, chunk)
     out = Path(out)
     config = {"backend": backend, "budgets": list(budgets), "chain": chain, "max_len": max_len, "chunk": chunk,
@@ -82,6 +92,9 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     if backend == "onnxruntime":
         impl.build(graphs, out, budgets, chain, chunk, manifest, progress, flavor=flavor, ort_include=ort_include,
                    image_sizes=image_sizes, target=target)
+    elif backend == "tensorrt":
+        impl.build(graphs, out, budgets, chain, chunk, manifest, progress, flavor=flavor, image_sizes=image_sizes,
+                   target=target)
     else:
         impl.build(graphs, out, budgets, chain, chunk, manifest, progress, flavor=flavor)
     write_manifest(out, manifest)

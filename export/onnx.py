@@ -50,7 +50,15 @@ def _register_schema() -> None:
                 p("prefix_len", "tensor(int64)")],
         outputs=[p("out", "T")],
         type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float tensors")],
-        attributes=[defs.OpSchema.Attribute("scale", defs.OpSchema.AttrType.FLOAT, "softmax scale")],
+        attributes=[defs.OpSchema.Attribute("scale", defs.OpSchema.AttrType.FLOAT, "softmax scale"),
+                    # set only on the copies TensorRT's parser reads (glance_rt.engines.tensorrt.tensorrt_onnx)
+                    defs.OpSchema.Attribute("plugin_namespace", defs.OpSchema.AttrType.STRING,
+                                            "TensorRT: the plugin's namespace", required=False),
+                    defs.OpSchema.Attribute("plugin_version", defs.OpSchema.AttrType.STRING,
+                                            "TensorRT: the plugin's version", required=False),
+                    defs.OpSchema.Attribute("aot", defs.OpSchema.AttrType.INT,
+                                            "TensorRT: 1 runs the plugin's ahead-of-time implementation",
+                                            required=False)],
     )
     try:
         defs.register_schema(schema)
@@ -99,14 +107,15 @@ class _Graph(nn.Module):
         """The cache rows the graph's `new_*` outputs hold. The draft pass writes its context rows
         [ctx_start, ctx_start + B) then its block [block_start, block_start + B), block_start <=
         ctx_start + B: the fixed window [ctx_start, ctx_start + 2B), clamped to the cache."""
+        dev = args[0].device  # where the runtime keeps its caches (a CUDA engine computes the rows there)
         if self.name == "prefill":
-            return args[2] + torch.arange(args[0].shape[1])
+            return args[2] + torch.arange(args[0].shape[1], device=dev)
         if self.name == "verify":
-            return args[2] + torch.arange(args[0].shape[0])
+            return args[2] + torch.arange(args[0].shape[0], device=dev)
         if self.name == "draft":
             b, last = self.graphs.draft_pass.block_size, self.graphs.max_len - 1
-            return (args[1] + torch.arange(2 * b)).clamp(max=last)
-        return args[1] + torch.arange(args[0].shape[0])  # context
+            return (args[1] + torch.arange(2 * b, device=dev)).clamp(max=last)
+        return args[1] + torch.arange(args[0].shape[0], device=dev)  # context
 
     def forward(self, *inputs):
         args, kv = inputs[: self.n_inputs], inputs[self.n_inputs :]

@@ -365,9 +365,11 @@ def _engine_decoder(method: Method, target_path, drafter_path):
 @main.command("build-engine")
 @TARGET
 @DRAFTER
-@click.option("--backend", default="aoti", show_default=True, type=click.Choice(["aoti", "onnxruntime"]),
+@click.option("--backend", default="aoti", show_default=True,
+              type=click.Choice(["aoti", "onnxruntime", "tensorrt"]),
               help="aoti: AOTInductor packages (one .pt2 per static graph); onnxruntime: exported ONNX graphs "
-                   "saved optimized for ONNX Runtime.")
+                   "saved optimized for ONNX Runtime; tensorrt: one TensorRT engine per graph, tree attention "
+                   "as glance-rt's Triton kernel in a plugin (needs a GPU, --device cuda, and TensorRT).")
 @click.option("--tree-budget", "budgets", default=(8,), show_default=True, type=int, multiple=True,
               help="Tree budget bucket (repeatable): one verify graph each.")
 @click.option("--chain", is_flag=True, help="Build the width-1 chain's verify graph instead.")
@@ -379,7 +381,8 @@ def _engine_decoder(method: Method, target_path, drafter_path):
               help="aoti: frozen (default) compiles the weights into each package (oneDNN-packed linears on a "
                    "CPU: fastest; a copy of the weights per package), shared gives all packages one copy at load. "
                    "onnxruntime: portable (default) runs tree attention as standard ONNX ops; plugin as one "
-                   "glance.TreeAttention node through glance-rt's compiled kernel library (needs --ort-include).")
+                   "glance.TreeAttention node through glance-rt's compiled kernel library (needs --ort-include). "
+                   "tensorrt: plugin only.")
 @IMAGE_SIZES
 @click.option("--ort-include", type=click.Path(), default=None,
               help="Folder with ONNX Runtime's C API header onnxruntime_c_api.h (plugin flavor; default: "

@@ -100,8 +100,8 @@ def grid(rows: int, kv_heads: int, block_m: int) -> tuple[int, int, int]:
 
 def tree_attention(q, k, v, tree_mask, prefix_len, scale: float):
     """Launch the kernel on torch tensors: CUDA, or CPU tensors through Triton's interpreter (with
-    TRITON_INTERPRET=1 set before triton is first imported, as the tests do). Shapes as the op; k and v may be row slices of a larger cache (any head stride), q any layout.
-    -> [1, H, T, D]."""
+    TRITON_INTERPRET=1 set before triton is first imported, as the tests do). Shapes as the op; k and v
+    may be row slices of a larger cache (any head stride), q any layout. -> [1, H, T, D]."""
     import torch
 
     _, heads, t, d = q.shape
@@ -135,9 +135,9 @@ def compile_aot(dtype: str, head_dim: int, groups: int, scale: float, arch: int 
     for name in constexprs:
         signature[name] = "constexpr"
     src = ASTSource(fn=tree_attention_kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": NUM_WARPS, "num_stages": stages(head_dim, dtype), "ptx_version": PTX_VERSION,
-                                   "enable_fp_fusion": True})
+    options = {"num_warps": NUM_WARPS, "num_stages": stages(head_dim, dtype), "ptx_version": PTX_VERSION,
+               "enable_fp_fusion": True}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 PTX_PARAM = {"ptr": "u64", "i32": "u32"}
@@ -176,3 +176,20 @@ def describe(kernel) -> dict:
     return {"name": meta.name, "ptx": kernel.asm["ptx"], "cubin_bytes": len(kernel.asm.get("cubin", b"")),
             "shared": meta.shared, "num_warps": meta.num_warps,
             "scratch": {h: getattr(meta, h, 0) for h in HIDDEN}}
+
+
+def plugin_ptx(described: dict, name: str) -> str:
+    """The compiled kernel's PTX as the TensorRT plugin ships it: the entry renamed to `name` (TensorRT
+    keys loaded kernels by name, so every dtype/shape variant gets its own), and Triton's hidden scratch
+    parameters dropped from the entry, so it takes exactly the ABI's parameters whatever TensorRT does
+    with missing ones. Refuses a kernel that uses scratch, or whose body reads a dropped parameter."""
+    import re
+
+    old, ptx = described["name"], described["ptx"]
+    types = check_abi(ptx, old, described["shared"], described["scratch"])
+    for i in range(len(ABI), len(types)):
+        if len(re.findall(rf"\b{old}_param_{i}\b", ptx)) != 1:  # its declaration alone
+            raise ValueError(f"the kernel body reads hidden parameter {i}: it cannot be dropped")
+    head, params, tail = re.match(r"(.*?\.entry\s+\w+\s*\()([^)]*)(\).*)", ptx, re.S).groups()
+    kept = ",".join(params.split(",")[: len(ABI)]).rstrip() + "\n"
+    return re.sub(rf"\b{old}\b", name, head + kept + tail)

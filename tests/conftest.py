@@ -16,11 +16,20 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def has_tensorrt() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tensorrt") is not None
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="no CUDA GPU here")
+    skip_trt = pytest.mark.skip(reason="TensorRT is not installed (its PyPI packages cannot be fetched here)")
     for item in items:
         if "gpu" in item.keywords and not has_cuda():
             item.add_marker(skip_gpu)
+        elif "tensorrt" in item.keywords and not has_tensorrt():
+            item.add_marker(skip_trt)
 
 
 @functools.cache

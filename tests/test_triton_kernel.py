@@ -73,7 +73,8 @@ def test_kernel_matches_reference(dtype, heads, kv_heads, t, prefix, d):
     got = triton_kernel.tree_attention(q, k, v, mask, torch.tensor(prefix, device=q.device), scale)
     assert got.dtype == dtype and got.shape == q.shape
     assert not got.isnan().any()
-    torch.testing.assert_close(got.float().cpu(), expected(q, k, v, mask, prefix, scale), atol=TOL[dtype], rtol=TOL[dtype])
+    want = expected(q, k, v, mask, prefix, scale)
+    torch.testing.assert_close(got.float().cpu(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def test_kernel_reads_cache_slices_and_transposed_queries():
@@ -156,3 +157,37 @@ def test_check_abi_rejects_a_mismatch(compiled):
         triton_kernel.check_abi(ptx, k["name"], k["shared"], {**k["scratch"], "global_scratch_size": 128})
     with pytest.raises(ValueError, match="shared memory"):
         triton_kernel.check_abi(ptx, k["name"], 64 * 1024, k["scratch"])
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plugin_ptx_assembles_with_exactly_the_abi(compiled, arch, dtype, tmp_path):
+    """The PTX the TensorRT plugin ships: renamed entry, hidden scratch parameters dropped, exactly the
+    ABI's parameters; CUDA's own ptxas (not Triton's) still assembles it for the GPU."""
+    import re
+    import shutil
+    import subprocess
+
+    k = compiled[arch, dtype, 128]
+    ptx = triton_kernel.plugin_ptx(k, "glance_tree_attention_test")
+    types = triton_kernel.check_abi(ptx, "glance_tree_attention_test", k["shared"], k["scratch"])
+    assert types == ["u64"] * 5 + ["u32"] * 2 + ["u64"]
+    assert not re.search(rf"\b{k['name']}\b", ptx)
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        pytest.skip("no ptxas (CUDA toolkit) on PATH")
+    (tmp_path / "k.ptx").write_text(ptx)
+    sm = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    run = subprocess.run([ptxas, f"-arch={sm}", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "k.cubin").stat().st_size > 0
+
+
+def test_plugin_ptx_refuses_a_body_that_reads_a_hidden_parameter(compiled):
+    k = compiled[90, "float16", 128]
+    hidden = f"{k['name']}_param_8"
+    assert hidden in k["ptx"]
+    body = k["ptx"].replace("ret;", f"ld.param.u64 %rd999, [{hidden}];\n\tret;", 1)
+    with pytest.raises(ValueError, match="reads hidden parameter 8"):
+        triton_kernel.plugin_ptx({**k, "ptx": body}, "x")

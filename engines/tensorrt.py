@@ -1,0 +1,212 @@
+"""TensorRT engines: one serialized engine per static graph, built from the `plugin` flavor ONNX export
+with every `glance.TreeAttention` node run by glance-rt's TensorRT plugin (`plugins/tensorrt_plugin.py`:
+the Triton kernel compiled ahead of time and baked into the engine as PTX).
+
+Build: export the graphs (`export_onnx`, plugin flavor; a VLM's vision graphs per image bucket), tag a
+copy of each for TensorRT (`tensorrt_onnx`), parse it with TensorRT's ONNX parser into a strongly typed
+network with TF32 off (fp32 must stay IEEE fp32 for outputs equal to Hugging Face's), serialize to
+`<graph>.engine` (written, then renamed: an interrupted build resumes).
+
+Run: each engine gets one execution context whose tensor addresses are bound once: the caches it reads
+are the running model's CUDA cache buffers, its other inputs and its outputs are static CUDA tensors.
+A call copies its arguments into the static inputs, runs the context, and writes the rows the graph
+returned back into the caches; after one warm-up run (TensorRT's deferred work, the driver's PTX JIT)
+all of that is captured in one CUDA graph per context and replayed from then on.
+
+TensorRT cannot be installed where glance-rt is developed (its PyPI packages fetch from a host out of
+reach) and no GPU is there: the ONNX rewrite is tested; the build and run below are written to the
+documented API and have not run (docs/engines.md).
+"""
+
+from pathlib import Path
+
+import torch
+
+from glance_rt.errors import GlanceError, require
+from glance_rt.export.onnx import DOMAIN, export_onnx, graph_caches, written_rows
+from glance_rt.export.vision import VisionGraphs, export_vision
+from glance_rt.files import atomic_write
+from glance_rt.plugins import TENSORRT_PLUGIN
+from glance_rt.round.verify import verify_by_rows
+
+BACKEND = "tensorrt"
+PLUGIN_NAMESPACE, PLUGIN_OP = TENSORRT_PLUGIN.split("::")  # the parser looks plugins up by (op_type, namespace)
+WORKSPACE = 4 << 30  # bytes of scratch TensorRT may use while building and running
+DTYPES = {"float": torch.float32, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "int64": torch.int64, "bool": torch.bool}
+
+
+def tensorrt_onnx(model):
+    """A copy of an exported ModelProto tagged for TensorRT's ONNX parser. The parser finds a plugin by
+    the node's op_type and its `plugin_namespace` attribute (it ignores the ONNX domain), and inlines a
+    model-local function of the same name unless the node carries that attribute; `aot=1` picks the
+    plugin's ahead-of-time implementation (the kernel baked into the engine, no Python at run time).
+    The plugin receives every attribute it declares (here `scale`), so each node must carry them all."""
+    from onnx import helper
+
+    tagged = type(model)()
+    tagged.CopyFrom(model)
+    for n in (n for n in tagged.graph.node if n.op_type == PLUGIN_OP and n.domain == DOMAIN):
+        names = {a.name for a in n.attribute}
+        if "scale" not in names:
+            raise GlanceError(f"TreeAttention node {n.name} has no scale attribute: re-export the graph")
+        for a in [a for a in n.attribute if a.name in ("plugin_namespace", "plugin_version", "aot")]:
+            n.attribute.remove(a)
+        n.attribute.extend([helper.make_attribute("plugin_namespace", PLUGIN_NAMESPACE),
+                            helper.make_attribute("plugin_version", "1"), helper.make_attribute("aot", 1)])
+    keep = [f for f in tagged.functions if not (f.name == "TreeAttention" and f.domain == DOMAIN)]
+    del tagged.functions[:]
+    tagged.functions.extend(keep)  # the plugin runs it: no standard-op body to inline by mistake
+    return tagged
+
+
+def _tensorrt():
+    require("tensorrt", "tensorrt")
+    import tensorrt as trt
+
+    from glance_rt.plugins import tensorrt_plugin  # noqa: F401  (registers glance::TreeAttention)
+
+    return trt
+
+
+def _logger(trt):
+    return trt.Logger(trt.Logger.WARNING)
+
+
+def build_engine_file(onnx_path: Path, engine_path: Path) -> None:
+    """Parse one tagged ONNX graph and serialize its engine to `engine_path` (temporary name, then rename)."""
+    trt = _tensorrt()
+    logger = _logger(trt)
+    builder = trt.Builder(logger)
+    flags = 0
+    for flag in ("STRONGLY_TYPED", "PREFER_AOT_PYTHON_PLUGINS"):  # STRONGLY_TYPED: always on (and ignored) in TRT 11
+        if hasattr(trt.NetworkDefinitionCreationFlag, flag):
+            flags |= 1 << int(getattr(trt.NetworkDefinitionCreationFlag, flag))
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "\n".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise GlanceError(f"TensorRT's ONNX parser refused {onnx_path.name}:\n{errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE)
+    config.clear_flag(trt.BuilderFlag.TF32)  # on by default: fp32 GEMMs would round their inputs to 10 bits
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise GlanceError(f"TensorRT could not build an engine for {onnx_path.name} (its log above says why)")
+    atomic_write(engine_path, lambda tmp: tmp.write_bytes(bytes(plan)))
+
+
+def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, progress: bool = True,
+          flavor: str = "plugin", image_sizes=(), target=None) -> None:
+    """Export every graph (plugin flavor) and a VLM's vision graphs, then build one engine for each."""
+    from importlib import metadata
+
+    import onnx
+    from tqdm import tqdm
+
+    trt = _tensorrt()
+    if not graphs.verifier.embed_tokens.weight.is_cuda:
+        raise GlanceError("TensorRT engines bind the running model's CUDA caches: load the target on a GPU "
+                          "(glance-rt build-engine --device cuda)")
+    opset = manifest.setdefault("opset", 20)
+    exported = export_onnx(graphs, out, budgets, chain, chunk, "plugin", opset, progress)
+    vision = export_vision(target, out, image_sizes, opset, progress) if image_sizes else {}
+    jobs = {**exported, **vision}
+    bar = tqdm(jobs.items(), desc="tensorrt engines", unit="engine", disable=not progress)
+    for key, info in bar:
+        bar.set_postfix_str(key)
+        engine = out / f"{key}.engine"
+        if not engine.exists():
+            tagged = out / f"{key}.trt.onnx"  # shares {key}.onnx.data: external data stays where it was written
+            model = tensorrt_onnx(onnx.load(str(out / info["file"]), load_external_data=False))
+            atomic_write(tagged, lambda tmp, m=model: tmp.write_bytes(m.SerializeToString()))
+            build_engine_file(tagged, engine)
+        info["engine"] = engine.name
+    manifest.update(flavor=flavor, graphs=exported, vision=vision,
+                    versions={**manifest["versions"], "tensorrt": trt.__version__,
+                              "triton": metadata.version("triton")},
+                    builder={"tf32": False, "strongly_typed": True, "plugin": f"{TENSORRT_PLUGIN} (AOT, Triton)"})
+
+
+class EngineGraph:
+    """One engine with its tensors bound once. `bufs`: the caches it reads (bound in place); after a
+    call, `write_back(inputs, outputs)` writes the rows it returned into them. The first call runs
+    the context once (warm-up), the second captures the copy-in, run and write-back in a CUDA graph,
+    every later call replays it. Outputs are reused by the next call (as any CUDA-graph replay)."""
+
+    def __init__(self, path: Path, info: dict, bufs: list, write_back=None):
+        trt = _tensorrt()
+        dev = bufs[0].device if bufs else torch.device("cuda")
+        self.engine = trt.Runtime(_logger(trt)).deserialize_cuda_engine((path / info["engine"]).read_bytes())
+        if self.engine is None:
+            raise GlanceError(f"TensorRT could not load {path / info['engine']}: rebuild it with this TensorRT version")
+        self.context = self.engine.create_execution_context()
+        n_args = len(info["inputs"]) - len(bufs)
+        self.inputs = [torch.empty(shape, dtype=DTYPES[dt], device=dev) for _, shape, dt in info["inputs"][:n_args]]
+        self.outs = [torch.empty(shape, dtype=DTYPES[dt], device=dev) for _, shape, dt in info["outputs"]]
+        for (name, _, _), t in zip(info["inputs"] + info["outputs"], self.inputs + bufs + self.outs, strict=True):
+            self.context.set_tensor_address(name, t.data_ptr() or t.untyped_storage().data_ptr())
+        self.write_back, self.n_out = write_back, len(self.outs) - len(bufs)
+        self.graph, self.calls = None, 0
+
+    def _run(self) -> None:
+        if not self.context.execute_async_v3(torch.cuda.current_stream().cuda_stream):
+            raise GlanceError("TensorRT failed to run an engine (its log says why)")
+        if self.write_back is not None:
+            self.write_back(self.inputs, self.outs[self.n_out :])
+
+    def __call__(self, *args):
+        for static, a in zip(self.inputs, args, strict=True):
+            static.copy_(a)
+        if self.graph is not None:
+            self.graph.replay()
+        elif self.calls == 0:
+            self._run()  # warm-up: TensorRT's deferred work and the driver's PTX JIT happen outside a capture
+        else:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._run()
+            graph.replay()
+            self.graph = graph
+        self.calls += 1
+        res = tuple(self.outs[: self.n_out])
+        return res if len(res) > 1 else res[0]
+
+
+def runners(path: Path, manifest: dict, graphs) -> dict:
+    """The callables StaticPasses runs, one engine per graph, over the Decoder's own caches."""
+    if not graphs.verifier.embed_tokens.weight.is_cuda:
+        raise GlanceError("a TensorRT engine runs on a CUDA GPU: load the target with device='cuda' (--device cuda)")
+    fns, verify = {}, {}
+    for key, info in manifest["graphs"].items():
+        name = key.split("-")[0]
+        bufs = [b for cache in graph_caches(graphs, name) for b in cache.buffers()]
+
+        def write_back(inputs, new, bufs=bufs, name=name):
+            rows = written_rows(graphs, name, inputs)  # on the device, from the static inputs: capturable
+            for b, n in zip(bufs, new, strict=True):
+                b.index_copy_(2, rows, n)
+
+        run = EngineGraph(path, info, bufs, write_back)
+        if name == "verify":
+            verify[int(key.split("-")[1])] = run
+        else:
+            fns[name] = run
+    fns["verify"] = verify_by_rows(verify)
+    return fns
+
+
+class _VisionSession:
+    """An engine behind VisionGraphs' session interface (`run(None, feeds) -> [features]`, numpy)."""
+
+    def __init__(self, path: Path, info: dict):
+        self.graph, self.names = EngineGraph(path, info, []), [n for n, _, _ in info["inputs"]]
+
+    def run(self, _outputs, feeds: dict):
+        out = self.graph(*(torch.from_numpy(feeds[n]) for n in self.names))
+        return [out.float().cpu().numpy()]
+
+
+def vision(path: Path, manifest: dict, target):
+    """The engine's vision graphs (one per image bucket) as a `prefill_inputs` for the Decoder."""
+    return VisionGraphs(target, path, manifest, _VisionSession).prefill_inputs
