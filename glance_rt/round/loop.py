@@ -54,10 +54,16 @@ def entropy(logits: Tensor) -> float:
 
 
 class _Clock:
-    def __init__(self, timings: dict):
+    """Per-phase wall time. On a GPU each lap first waits for the device, so a pass's time is charged to
+    its phase, not to the next one that reads a result back."""
+
+    def __init__(self, timings: dict, device: torch.device):
         self.timings, self.t = timings, time.perf_counter()
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else None
 
     def lap(self, phase: str) -> None:
+        if self.sync is not None:
+            self.sync()
         now = time.perf_counter()
         self.timings[phase] += now - self.t
         self.t = now
@@ -198,7 +204,7 @@ class Decoder:
         """Yield the committed tokens of each round (after stop rules)."""
         if max_new_tokens < 1:
             raise GlanceError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        clock = _Clock(stats.timings)
+        clock = _Clock(stats.timings, self.target.device)
         pre = self.prefill_inputs(inputs)  # embeds [P, H], positions [P] or [3, P]
         p = pre.embeds.shape[0]
         stats.prompt_tokens = p
