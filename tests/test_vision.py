@@ -73,7 +73,7 @@ def test_refusals(tmp_path):
     with pytest.raises(glance_rt.GlanceError, match="vision graphs are exported for"):
         export_vision(target, tmp_path, [(56, 56)], 20, progress=False)
     target, _, _ = tiny_target("llava")
-    with pytest.raises(glance_rt.GlanceError, match="onnxruntime engines"):
+    with pytest.raises(glance_rt.GlanceError, match="built for onnxruntime and tensorrt engines"):
         build_engine(target, None, tmp_path / "a", backend="aoti", image_sizes=[(56, 56)], progress=False)
     path = model_folder("llava", str(tmp_path / "models"))
     result = CliRunner().invoke(main, ["export", "--target", path, "--no-drafter", "--image-size", "56by56",
