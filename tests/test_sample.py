@@ -319,3 +319,18 @@ def test_cli_generate_compare_audit_and_bench_sample_seed_exact(tmp_path):
     r = CliRunner().invoke(main, ["generate", "--target", m, "--prompt", "Hi", "--temperature", "0.5",
                                   "--top-p", "1.5"])
     assert r.exit_code != 0 and "top_p must be in (0, 1]" in r.output
+
+
+@pytest.mark.full
+def test_seed_exact_through_an_onnx_runtime_engine(tmp_path):
+    """An exported engine's GLANCE sample == the autoregressive sample (eager: an engine built with a
+    drafter has no graphs for a drafter-less decoder; its graphs return the logits the walk draws from)."""
+    from glance_rt.export.onnx import export_model
+
+    target, _, processor = tiny_target("qwen2_5_vl")
+    inputs = make_inputs("qwen2_5_vl", processor, n_images=1)
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=2)
+    export_model(target, drafter, tmp_path / "x", budgets=(6,), max_len=160, chunk=8, progress=False)
+    dec = glance_rt.Decoder.from_engine(tmp_path / "x", target, drafter)
+    s = glance_rt.Sampling(do_sample=True, temperature=HOT, top_p=0.9, seed=8)
+    assert dec.generate(max_new_tokens=NEW, sampling=s, **inputs).token_ids == ar_tokens(target, inputs, s)
