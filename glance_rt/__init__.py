@@ -18,6 +18,7 @@ _LAZY = {
     "GenerateResult": "glance_rt.round.loop",
     "Stats": "glance_rt.round.loop",
     "Method": "glance_rt.method",
+    "Sampling": "glance_rt.round.sample",
 }
 
 __all__ = ["GlanceError", "__version__", *_LAZY]

@@ -54,6 +54,43 @@ def method_options(command):
     return wrapper
 
 
+def sampling_options(command):
+    """Token choice, shared by generate, audit and bench: greedy unless --temperature > 0 (HF's
+    semantics and defaults); they become one `glance_rt.Sampling`."""
+
+    @functools.wraps(command)
+    def wrapper(*args, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, **kw):
+        from glance_rt.round.sample import Sampling
+
+        if temperature < 0:
+            raise click.ClickException(f"--temperature must be >= 0 (0: greedy), got {temperature}")
+        try:
+            sampling = Sampling(do_sample=temperature > 0, temperature=temperature or 1.0, top_k=top_k, top_p=top_p,
+                                min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
+        except GlanceError as e:
+            raise click.ClickException(str(e)) from e
+        return command(*args, sampling=sampling, **kw)
+
+    options = [
+        click.option("--temperature", default=0.0, show_default=True, type=float,
+                     help="Sample at this temperature (0: greedy decoding). Lossless: the tokens equal the same "
+                          "engine's autoregressive sampling with the same --seed."),
+        click.option("--top-k", default=50, show_default=True, type=int,
+                     help="Sampling: keep the k most likely (0: off)."),
+        click.option("--top-p", default=1.0, show_default=True, type=float, help="Sampling: nucleus mass (1: off)."),
+        click.option("--min-p", default=None, type=float,
+                     help="Sampling: drop tokens below min_p x the top probability."),
+        click.option("--repetition-penalty", default=1.0, show_default=True, type=float,
+                     help="HF's repetition penalty (greedy too; 1: off)."),
+        click.option("--seed", default=0, show_default=True, type=int,
+                     help="Sampling seed: the draw for each position depends only on it and the position."),
+        click.option("--stop", multiple=True, help="Stop after the token completing this string (repeatable)."),
+    ]
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
+
+
 SUITE = click.option("--suite", default="all", show_default=True,
                      help="'all', a task kind (held-out prompts of the shipped corpus), or a JSONL file.")
 def _image_size(ctx, param, values):
@@ -106,6 +143,7 @@ def _load(target_path, drafter_path, dtype, device):
 @click.option("--prompt", required=True, help="The user message.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @method_options
+@sampling_options
 @MAX_LENGTH
 @DTYPE
 @DEVICE
@@ -113,9 +151,10 @@ def _load(target_path, drafter_path, dtype, device):
 @click.option("--compare", is_flag=True,
               help="Warm up, then also run the same engine autoregressively: tokens/s of both, tau, and a check "
                    "that the tokens are identical.")
-def generate(target_path, drafter_path, images, prompt, max_new_tokens, method, max_length, dtype, device, stats,
-             compare):
-    """Stream the target's exact greedy answer to PROMPT, drafted and tree-verified."""
+def generate(target_path, drafter_path, images, prompt, max_new_tokens, method, sampling, max_length, dtype, device,
+             stats, compare):
+    """Stream the target's exact answer to PROMPT (greedy, or sampled with --temperature), drafted and
+    tree-verified."""
     from glance_rt.files import open_image
 
     try:
@@ -126,14 +165,14 @@ def generate(target_path, drafter_path, images, prompt, max_new_tokens, method, 
             click.echo(f"[glance-rt] warming up {_describe(dec)} ...", err=True)
             dec.warmup()
         start = time.perf_counter()
-        stream = dec.stream(max_new_tokens=max_new_tokens, **inputs)
+        stream = dec.stream(max_new_tokens=max_new_tokens, sampling=sampling, **inputs)
         for piece in stream:
             click.echo(piece, nl=False)
             sys.stdout.flush()
         click.echo()
         elapsed = time.perf_counter() - start
         if compare:
-            _compare_with_ar(dec, inputs, max_new_tokens, stream.result, elapsed)
+            _compare_with_ar(dec, inputs, max_new_tokens, stream.result, elapsed, sampling)
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     if stats:
@@ -153,7 +192,7 @@ def _describe(dec) -> str:
     return f"{what}{lookup}, {dec.backend.name}"
 
 
-def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed) -> None:
+def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> None:
     """The same engine without a drafter (same backend, caches and shapes), warmed up, on the same
     prompt: tokens/s of both, tau, and whether the tokens are identical (they must be)."""
     from glance_rt.round.loop import Decoder
@@ -164,7 +203,7 @@ def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed) -> None:
     click.echo(f"[glance-rt] warming up {_describe(ar)} ...", err=True)
     ar.warmup()
     start = time.perf_counter()
-    ref = ar.generate(max_new_tokens=max_new_tokens, **inputs)
+    ref = ar.generate(max_new_tokens=max_new_tokens, sampling=sampling, **inputs)
     ar_elapsed = time.perf_counter() - start
     n, m = len(result.token_ids), len(ref.token_ids)
     same = result.token_ids == ref.token_ids
@@ -240,16 +279,19 @@ def train(target_path, prompts, images, out, num_layers, block_size, target_laye
 @SUITE_IMAGES
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @method_options
+@sampling_options
 @MAX_LENGTH
 @DTYPE
 @DEVICE
 @click.option("--threshold", default=None, type=float,
               help="Fail only on divergences whose top-1/top-2 margin exceeds this (default: any divergence).")
 @click.option("--json", "json_out", type=click.Path(), default=None, help="Write the per-prompt report here.")
-def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, method, max_length, dtype, device,
-          threshold, json_out):
-    """Check every output against HF greedy decoding; exit 1 on a divergence (above --threshold)."""
+def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, method, sampling, max_length, dtype,
+          device, threshold, json_out):
+    """Check every output against HF greedy decoding (sampling: against the same engine's autoregressive
+    sampling with the same seed); exit 1 on a divergence (above --threshold)."""
     import json
+    from dataclasses import asdict
 
     from glance_rt.tools import audit as audit_mod
     from glance_rt.tools.suites import encode_rows, suite_rows
@@ -260,10 +302,11 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, me
                                                lambda t: encode_rows(t, rows, images), max_new_tokens)
         results = []
         try:
-            for r in audit_mod.audit(target, dec, rows, encoded, max_new_tokens):
+            for r in audit_mod.audit(target, dec, rows, encoded, max_new_tokens, sampling=sampling):
                 results.append(r)
+                margin = "" if r.margin is None else f", margin {r.margin:.4f}"
                 line = "exact" if r.exact else (f"DIVERGES at token {r.divergence}: expected {r.expected}, "
-                                                f"got {r.got}, margin {r.margin:.4f}")
+                                                f"got {r.got}{margin}")
                 click.echo(f"{r.id:<20} {r.kind:<12} {line}")
         except KeyboardInterrupt:
             click.echo("[audit] interrupted: reporting what was checked", err=True)
@@ -281,6 +324,7 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, me
                                              "threshold": threshold, "method": dec.method_name,
                                              "tree_budget": dec.tree_budget, "chain": dec.chain, "lookup": dec.lookup,
                                              "backend": dec.backend.name, "engine": method.engine,
+                                             "sampling": asdict(sampling),
                                              "drafter": drafter_path or ("default" if dec.drafter else None)})
         atomic_write(json_out, lambda p: p.write_text(json.dumps(report, indent=2)))
     if bad:
@@ -307,9 +351,11 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, me
 @click.option("--json", "json_out", type=click.Path(), default=None, help="Machine-readable report.")
 @click.option("--report", "report_md", type=click.Path(), default=None, help="Markdown report.")
 @click.option("--plots", "plot_dir", type=click.Path(), default=None, help="Folder for PNG plots.")
+@sampling_options
 def bench(target_path, drafter_path, suite, per_kind, images, methods, max_new_tokens, warmup, dtype, device,
-          engines, engine_lookup, json_out, report_md, plot_dir):
-    """Methods side by side in one process, interleaved per prompt, every output checked against HF greedy."""
+          engines, engine_lookup, json_out, report_md, plot_dir, sampling):
+    """Methods side by side in one process, interleaved per prompt, every output checked against HF greedy
+    (with --temperature: against autoregressive sampling with the same seed, method ar)."""
     from glance_rt.tools import bench as bench_mod
     from glance_rt.tools.suites import suite_rows
 
@@ -318,7 +364,7 @@ def bench(target_path, drafter_path, suite, per_kind, images, methods, max_new_t
         rows = suite_rows(suite, per_kind)
         cfg = bench_mod.BenchConfig(methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
                                     max_new_tokens=max_new_tokens, warmup=warmup, engines=tuple(engines),
-                                    engine_lookup=engine_lookup)
+                                    engine_lookup=engine_lookup, sampling=sampling)
         report = bench_mod.run_bench(target, drafter, rows, cfg, images, log=lambda m: click.echo(m, err=True))
         bench_mod.write_outputs(report, json_out, report_md, plot_dir)
     except GlanceError as e:

@@ -23,9 +23,12 @@ def committed_tokens(tree: Tree, greedy: np.ndarray, path: list[int]) -> list[in
     return [int(tree.tokens[i]) for i in path[1:]] + [int(greedy[path[-1]])]
 
 
-def apply_stops(tokens: list[int], produced: int, max_new_tokens: int, eos_ids: frozenset) -> tuple[list[int], bool]:
-    """Cut a run of committed tokens exactly where greedy decoding would stop: after an EOS token
-    or when `max_new_tokens` is reached. Returns (the tokens kept, whether generation is over)."""
+def apply_stops(tokens: list[int], produced: int, max_new_tokens: int, eos_ids: frozenset, stop_strings=None,
+                before=None) -> tuple[list[int], bool]:
+    """Cut a run of committed tokens exactly where decoding would stop: after an EOS token, after
+    the token that completes a stop string (`stop_strings`: HF's StopStringCriteria, checked over
+    `before` [L], every token before the run, + the run so far), or when `max_new_tokens` is reached.
+    Returns (the tokens kept, whether generation is over)."""
     kept = []
     for tok in tokens:
         if produced + len(kept) >= max_new_tokens:
@@ -33,6 +36,10 @@ def apply_stops(tokens: list[int], produced: int, max_new_tokens: int, eos_ids: 
         kept.append(tok)
         if tok in eos_ids:
             return kept, True
+        if stop_strings is not None:
+            seq = torch.cat([before, torch.tensor(kept, dtype=torch.long)])[None]  # [1, L + k]
+            if bool(stop_strings(seq, None)[0]):
+                return kept, True
     return kept, produced + len(kept) >= max_new_tokens
 
 

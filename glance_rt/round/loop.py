@@ -1,7 +1,9 @@
 """The round loop: prefill, then per round draft -> tree -> verify -> accept/commit.
 
 `Decoder(target, drafter=None)` is plain autoregression through the same verify pass (a tree of
-one row). Output tokens are exactly the target's greedy tokens.
+one row). Output tokens are exactly the target's greedy tokens; with `sampling=Sampling(do_sample=True,
+...)` exactly the tokens the same engine's autoregressive sampling gives with the same seed
+(`glance_rt.round.sample`).
 """
 
 import time
@@ -17,6 +19,7 @@ from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_MAX_LENGTH, DEFAULT_TREE_BU
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
 from glance_rt.round.commit import apply_stops, committed_tokens
+from glance_rt.round.sample import GREEDY, Chooser, Sampling, stop_criteria, walk
 from glance_rt.round.tree import build_tree, check_budget, prompt_lookup
 from glance_rt.round.verify import Backend, named_backend, round_modules
 
@@ -200,11 +203,19 @@ class Decoder:
     # ------------------------------------------------------------------ the loop
 
     @torch.inference_mode()
-    def rounds(self, max_new_tokens: int, stats: Stats, **inputs):
+    def rounds(self, max_new_tokens: int, stats: Stats, sampling: Sampling = GREEDY, **inputs):
         """Yield the committed tokens of each round (after stop rules)."""
         if max_new_tokens < 1:
             raise GlanceError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if not isinstance(sampling, Sampling):
+            raise GlanceError(f"sampling must be a glance_rt.Sampling, not {type(sampling).__name__}")
         clock = _Clock(stats.timings, self.target.device)
+        chooser = None if sampling.greedy_only else Chooser(sampling)  # None: the raw argmax, decided in-graph
+        stop_strings = stop_criteria(sampling, self.target.tokenizer)
+        ids = inputs.get("input_ids")
+        ids = torch.zeros(0, dtype=torch.long) if ids is None else ids.reshape(-1).cpu()  # prompt, then committed
+        if chooser is not None and ids.numel() == 0:
+            raise GlanceError("sampling and repetition_penalty need the prompt's input_ids: pass them to generate")
         pre = self.prefill_inputs(inputs)  # embeds [P, H], positions [P] or [3, P]
         p = pre.embeds.shape[0]
         stats.prompt_tokens = p
@@ -218,17 +229,17 @@ class Decoder:
         dev = self.target.device
         positions = pre.positions[:, None] if self.mrope else pre.positions[None]  # [3, 1, P] or [1, P]
         logits, feats = self.passes.prefill(pre.embeds[None].to(self.target.dtype), positions.to(dev))  # [V]
-        first = int(logits.argmax())
+        first = int(logits.argmax()) if chooser is None else chooser.choose(logits, ids, ids.numel())
         prior = entropy(logits)
         clock.lap("prefill")
-        kept, done = apply_stops([first], 0, max_new_tokens, self.eos_ids)
+        kept, done = apply_stops([first], 0, max_new_tokens, self.eos_ids, stop_strings, ids)
         produced = len(kept)
+        ids = torch.cat([ids, torch.tensor(kept, dtype=torch.long)])
         yield kept
         n, bonus, ctx_feats, ctx_start = p + 1, first, feats, 0
         history = None  # prompt + committed tokens, for prompt lookup
         if self.lookup:
-            ids = inputs.get("input_ids")
-            history = np.array(([] if ids is None else ids.reshape(-1).tolist()) + kept, dtype=np.int64)
+            history = ids.numpy().copy()
         while not done:
             round_start = time.perf_counter()
             block_start = n - 1
@@ -246,13 +257,18 @@ class Decoder:
             clock.lap("tree")
             positions = self._positions(index, pre.rope_delta)
             logits, feats, greedy, path = self.passes.verify(tree, tokens, positions, block_start, mask)  # greedy [N+1]
+            if chooser is None:
+                run = committed_tokens(tree, greedy, path)
+            else:  # the target's own choice at each row decides the walk (lossless for sampling)
+                path, last = walk(tree, logits, ids, ids.numel(), chooser)
+                run = [int(tree.tokens[i]) for i in path[1:]] + [last]
             stats.root_entropy.append(entropy(logits[0]))
             stats.prior_entropy.append(prior)
             stats.budgets.append(budget)
             clock.lap("verify")
-            run = committed_tokens(tree, greedy, path)
-            kept, done = apply_stops(run, produced, max_new_tokens, self.eos_ids)
+            kept, done = apply_stops(run, produced, max_new_tokens, self.eos_ids, stop_strings, ids)
             produced += len(kept)
+            ids = torch.cat([ids, torch.tensor(kept, dtype=torch.long)])
             stats.rounds += 1
             stats.accepted_lengths.append(len(kept))
             prior = entropy(logits[path[-1]])
@@ -266,27 +282,28 @@ class Decoder:
             stats.round_seconds.append(time.perf_counter() - round_start)
             yield kept
 
-    def generate(self, max_new_tokens: int = 128, **inputs) -> GenerateResult:
+    def generate(self, max_new_tokens: int = 128, sampling: Sampling = GREEDY, **inputs) -> GenerateResult:
         """`inputs`: what the processor returns for one sequence (input_ids, attention_mask,
-        pixel_values, ...). Returns the new tokens, stopping after EOS exactly like HF generate."""
+        pixel_values, ...). `sampling`: greedy (the default) or a `glance_rt.Sampling`. Returns the new
+        tokens, stopping after EOS (or a stop string) exactly like HF generate."""
         stats = Stats()
-        token_ids = [t for run in self.rounds(max_new_tokens, stats, **inputs) for t in run]
+        token_ids = [t for run in self.rounds(max_new_tokens, stats, sampling, **inputs) for t in run]
         return GenerateResult(token_ids, self.target.decode(token_ids), stats)
 
-    def stream(self, max_new_tokens: int = 128, **inputs) -> "Stream":
+    def stream(self, max_new_tokens: int = 128, sampling: Sampling = GREEDY, **inputs) -> "Stream":
         """Iterate text pieces as rounds commit; `.result` holds the GenerateResult afterwards."""
-        return Stream(self, max_new_tokens, inputs)
+        return Stream(self, max_new_tokens, inputs, sampling)
 
 
 class Stream:
-    def __init__(self, decoder: Decoder, max_new_tokens: int, inputs: dict):
-        self.decoder, self.max_new_tokens, self.inputs = decoder, max_new_tokens, inputs
+    def __init__(self, decoder: Decoder, max_new_tokens: int, inputs: dict, sampling: Sampling = GREEDY):
+        self.decoder, self.max_new_tokens, self.inputs, self.sampling = decoder, max_new_tokens, inputs, sampling
         self.result: GenerateResult | None = None
 
     def __iter__(self):
         target = self.decoder.target
         stats, token_ids, shown = Stats(), [], ""
-        for run in self.decoder.rounds(self.max_new_tokens, stats, **self.inputs):
+        for run in self.decoder.rounds(self.max_new_tokens, stats, self.sampling, **self.inputs):
             token_ids += run
             text = target.decode(token_ids) or ""
             if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next round

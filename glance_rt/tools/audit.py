@@ -1,9 +1,13 @@
-"""`glance-rt audit`: is every output exactly the target's greedy output?
+"""`glance-rt audit`: is every output exactly the target's output?
 
-Per prompt: glance-rt's tokens vs Hugging Face `generate(do_sample=False)` in the same dtype. An
-exact match, or the first divergence with the target's top-1/top-2 logit margin there (computed by
-the HF model on the reference prefix). A divergence at a clear margin is a bug; in bf16/fp16 a
-divergence at a near-tie is the known effect of batched vs one-token kernels.
+Greedy (the default): per prompt, glance-rt's tokens vs Hugging Face `generate(do_sample=False)` in
+the same dtype (with the same repetition penalty and stop strings). An exact match, or the first
+divergence with the target's top-1/top-2 logit margin there (computed by the HF model on the
+reference prefix). A divergence at a clear margin is a bug; in bf16/fp16 a divergence at a near-tie
+is the known effect of batched vs one-token kernels.
+
+Sampling: vs the same engine's autoregressive sampling with the same seed (HF samples with its own
+RNG, so its tokens are not comparable); any divergence fails (no margin is reported).
 """
 
 from dataclasses import asdict, dataclass
@@ -11,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from glance_rt.hf.arch import extend_inputs
+from glance_rt.round.sample import GREEDY, Sampling
 
 
 @dataclass(frozen=True)
@@ -41,30 +46,49 @@ def margin_at(target, inputs: dict, prefix: list[int]) -> float:
     return float(top[0] - top[1])
 
 
-def audit_prompt(target, decoder, row: dict, inputs: dict, max_new_tokens: int) -> AuditRow:
+def reference_tokens(target, inputs: dict, max_new_tokens: int, sampling: Sampling, ar=None) -> list[int]:
+    """HF greedy (with the same penalty and stops), or `ar`'s sampling with the same seed."""
+    if sampling.do_sample:
+        return ar.generate(max_new_tokens=max_new_tokens, sampling=sampling, **inputs).token_ids
+    from glance_rt.tools.bench import hf_sampling_kwargs
+
     with torch.inference_mode():
-        gen = target.hf_model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens,
-                                       eos_token_id=sorted(target.eos_token_ids) or None)
-    ref = gen[0, inputs["input_ids"].shape[1]:].tolist()
-    ours = decoder.generate(max_new_tokens=max_new_tokens, **inputs).token_ids
+        gen = target.hf_model.generate(**inputs, max_new_tokens=max_new_tokens,
+                                       eos_token_id=sorted(target.eos_token_ids) or None,
+                                       **hf_sampling_kwargs(sampling, target))
+    return gen[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def audit_prompt(target, decoder, row: dict, inputs: dict, max_new_tokens: int, sampling: Sampling = GREEDY,
+                 ar=None) -> AuditRow:
+    ref = reference_tokens(target, inputs, max_new_tokens, sampling, ar)
+    ours = decoder.generate(max_new_tokens=max_new_tokens, sampling=sampling, **inputs).token_ids
     i = first_divergence(ours, ref)
     base = dict(id=str(row.get("id", "")), kind=str(row.get("kind", "")), tokens=len(ours),
                 reference_tokens=len(ref))
     if i is None:
         return AuditRow(exact=True, **base)
-    margin = margin_at(target, inputs, ref[:i])
+    margin = None if sampling.do_sample else margin_at(target, inputs, ref[:i])
     return AuditRow(exact=False, divergence=i, margin=margin, expected=ref[i] if i < len(ref) else None,
                     got=ours[i] if i < len(ours) else None, **base)
 
 
-def audit(target, decoder, rows: list[dict], encoded: list[dict], max_new_tokens: int, progress: bool = True):
+def audit(target, decoder, rows: list[dict], encoded: list[dict], max_new_tokens: int, progress: bool = True,
+          sampling: Sampling = GREEDY):
     """Audit every row (`encoded`: its processor inputs, `glance_rt.tools.suites.encode_rows`); yields
-    AuditRow as it goes (so an interrupted audit keeps what it has)."""
+    AuditRow as it goes (so an interrupted audit keeps what it has). Sampling: against the same
+    engine without a drafter (same backend, caches and shapes)."""
     from tqdm.auto import tqdm
 
+    from glance_rt.round.loop import Decoder
+
+    ar = None
+    if sampling.do_sample:
+        ar = decoder if decoder.drafter is None else Decoder(target, None, max_length=decoder.max_length,
+                                                              backend=decoder.backend, lookup=0)
     for row, inputs in tqdm(list(zip(rows, encoded, strict=True)), desc="audit", disable=not progress,
                             dynamic_ncols=True):
-        yield audit_prompt(target, decoder, row, inputs, max_new_tokens)
+        yield audit_prompt(target, decoder, row, inputs, max_new_tokens, sampling, ar)
 
 
 def failures(results: list[AuditRow], threshold: float | None) -> list[AuditRow]:

@@ -23,6 +23,7 @@ from glance_rt.files import atomic_write
 from glance_rt.method import DEFAULT_LOOKUP, Method, job_max_length
 from glance_rt.round.adaptive import calibrate
 from glance_rt.round.loop import Decoder
+from glance_rt.round.sample import GREEDY, Sampling
 from glance_rt.tools.suites import encode_rows
 
 SCHEMA = "glance-rt/bench/1"
@@ -38,6 +39,7 @@ class BenchConfig:
     engine_lookup: bool = False  # also run each drafter engine with lookup (`tree-N+lookup@backend:NAME`)
     max_length: int | None = None  # static cache rows; None: the suite's longest prompt + max_new_tokens + scratch
     engines: tuple[str, ...] = ()  # engine folders (glance-rt build-engine), benched as method "engine:NAME"
+    sampling: Sampling = GREEDY  # sampled: every glance-rt output is checked against "ar" with the same seed
 
 
 @dataclass
@@ -48,7 +50,7 @@ class Record:
     seconds: float
     tokens: int
     ttft: float
-    matches_hf: bool
+    matches_hf: bool | None  # equals the reference's tokens (HF greedy; "ar" when sampling); None: not comparable
     accepted_lengths: list = field(default_factory=list)
     root_entropy: list = field(default_factory=list)
     timings: dict = field(default_factory=dict)
@@ -83,18 +85,31 @@ def _hf_runner(target, cfg: BenchConfig, lookup: bool):
     if lookup and target.is_vlm:
         raise Skip("HF prompt-lookup decoding is run on text models only here (VLM inputs are not supported by it)")
     kw = {"prompt_lookup_num_tokens": cfg.lookup_tokens} if lookup else {}
+    kw.update(hf_sampling_kwargs(cfg.sampling, target))
 
     def run(inputs):
         start = time.perf_counter()
         streamer = _FirstToken(start)
         with torch.inference_mode():
-            out = target.hf_model.generate(**inputs, do_sample=False, max_new_tokens=cfg.max_new_tokens,
+            out = target.hf_model.generate(**inputs, max_new_tokens=cfg.max_new_tokens,
                                            eos_token_id=sorted(target.eos_token_ids) or None, streamer=streamer, **kw)
         seconds = time.perf_counter() - start
         ids = out[0, inputs["input_ids"].shape[1]:].tolist()
         return ids, seconds, streamer.first or seconds, None
 
     return run
+
+
+def hf_sampling_kwargs(sampling: Sampling, target) -> dict:
+    """`sampling` as HF generate's keyword arguments (HF samples with its own RNG: same distribution,
+    other tokens than glance-rt's keyed draws)."""
+    kw = dict(do_sample=sampling.do_sample, repetition_penalty=sampling.repetition_penalty)
+    if sampling.do_sample:
+        kw.update(temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p,
+                  min_p=sampling.min_p)
+    if sampling.stop:
+        kw.update(stop_strings=list(sampling.stop), tokenizer=target.tokenizer)
+    return kw
 
 
 def _glance_runner(target, drafter, cfg: BenchConfig, method: Method, policy=None):
@@ -108,7 +123,7 @@ def _glance_runner(target, drafter, cfg: BenchConfig, method: Method, policy=Non
 def _decoder_runner(dec, cfg: BenchConfig):
     def run(inputs):
         start = time.perf_counter()
-        res = dec.generate(max_new_tokens=cfg.max_new_tokens, **inputs)
+        res = dec.generate(max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling, **inputs)
         return res.token_ids, time.perf_counter() - start, res.stats.timings["prefill"], res.stats
 
     return run
@@ -123,6 +138,14 @@ def make_runner(method: str, target, drafter, cfg: BenchConfig):
     if method in ("hf", "hf-lookup"):
         return _hf_runner(target, cfg, lookup=method == "hf-lookup")
     return _glance_runner(target, drafter, cfg, Method.parse(method))
+
+
+REFERENCE_NAMES = {"hf": "HF greedy", "ar": "autoregressive sampling with the same seed"}
+
+
+def reference_method(cfg: BenchConfig) -> str:
+    """What every output is checked against: HF greedy, or (sampling) glance-rt's AR sampling."""
+    return "ar" if cfg.sampling.do_sample else "hf"
 
 
 def eager_base(method: str) -> str | None:
@@ -157,7 +180,12 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
 
 
     if "hf" not in cfg.methods:
-        raise GlanceError("bench needs the 'hf' method: every output is checked against HF greedy decoding")
+        raise GlanceError("bench needs the 'hf' method: every output is checked against HF greedy decoding "
+                          "(and HF is the baseline speed)")
+    ref = reference_method(cfg)
+    if ref not in cfg.methods:
+        raise GlanceError("sampled bench needs the 'ar' method: every output is checked against autoregressive "
+                          "sampling with the same seed (add ar to --methods)")
     encoded = encode_rows(target, rows, images_dir)
     if cfg.max_length is None:
         cfg = replace(cfg, max_length=suite_max_length(encoded, cfg))
@@ -202,7 +230,7 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
         except (Skip, GlanceError) as e:
             skipped[adaptive] = str(e)
             log(f"[bench] skipping {adaptive}: {e}")
-    order = ["hf"] + [m for m in runners if m != "hf"]
+    order = [ref] + [m for m in runners if m != ref]
     records, mismatches, partial = [], [], False
     bar = tqdm(total=len(rows) * len(order), desc="bench", disable=not progress, dynamic_ncols=True)
     try:
@@ -210,16 +238,16 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
             reference = None
             rest = order[1:]
             rest = rest[i % len(rest):] + rest[: i % len(rest)] if rest else rest  # rotate: no fixed order bias
-            for m in ["hf", *rest]:
+            for m in [ref, *rest]:
                 if target.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(target.device)
                 ids, seconds, ttft, stats = runners[m](inputs)
-                if m == "hf":
+                if m == ref:
                     reference = ids
-                ok = ids == reference
-                if not ok:
+                ok = None if m.startswith("hf") and ref != "hf" else ids == reference
+                if ok is False:
                     mismatches.append({"prompt": row["id"], "method": m})
-                    log(f"[bench] !!! MISMATCH: {m} differs from HF greedy on prompt {row['id']} !!!")
+                    log(f"[bench] !!! MISMATCH: {m} differs from {REFERENCE_NAMES[ref]} on prompt {row['id']} !!!")
                 rec = Record(row["id"], row["kind"], m, seconds, len(ids), ttft, ok,
                              peak_mem_mb=_peak_mb(target.device))
                 if stats is not None:
@@ -300,7 +328,7 @@ def method_summary(records: list[Record], method: str, kind: str | None = None) 
         "phase_seconds": timings,
         "ttft": _quartiles([r.ttft for r in rs]),
         "peak_mem_mb": max((r.peak_mem_mb or 0.0) for r in rs) if rs else None,
-        "mismatches": sum(not r.matches_hf for r in rs),
+        "mismatches": sum(r.matches_hf is False for r in rs),
         "entropy_law": fit_law([e for r in rs for e in r.root_entropy], lens),
     }
 
@@ -316,6 +344,7 @@ def build_report(records, skipped, mismatches, partial, target, cfg: BenchConfig
         "device": str(target.device),
         "torch_threads": torch.get_num_threads(),
         "config": asdict(cfg),
+        "reference": REFERENCE_NAMES[reference_method(cfg)],
         "partial": partial,
         "skipped": skipped,
         "mismatches": mismatches,
@@ -353,10 +382,17 @@ def _fmt(q: dict) -> str:
 def markdown(report: dict) -> str:
     lines = [f"# glance-rt bench — {report['target']} ({report['dtype']}, {report['device']}, "
              f"{report['torch_threads']} threads) — {report['date']}", ""]
+    sampling = report["config"].get("sampling") or {}
+    if sampling.get("do_sample"):
+        knobs = ", ".join(f"{k} {sampling[k]}" for k in ("temperature", "top_k", "top_p", "min_p",
+                                                        "repetition_penalty", "seed") if sampling[k] is not None)
+        lines += [f"Sampling ({knobs}); every output checked against {report['reference']} "
+                  "(HF samples with its own RNG: timed, not compared).", ""]
     if report["partial"]:
         lines += ["**Partial report (interrupted).**", ""]
     if report["mismatches"]:
-        lines += [f"**{len(report['mismatches'])} OUTPUT MISMATCH(ES) vs HF greedy:** {report['mismatches']}", ""]
+        lines += [f"**{len(report['mismatches'])} OUTPUT MISMATCH(ES) vs {report['reference']}:** "
+                  f"{report['mismatches']}", ""]
     lines += ["| method | tok/s | × same-engine AR | × HF generate | × its eager method | τ | draft passes/round | "
               "TTFT s | mismatches |", "|---|---|---|---|---|---|---|---|---|"]
     for m, s in report["overall"].items():
