@@ -15,9 +15,8 @@ import torch
 from glance_rt.engines import ort_plugin
 from glance_rt.engines.ort_plugin import library_for
 from glance_rt.errors import require
-from glance_rt.export.onnx import export_onnx, graph_caches, written_rows
+from glance_rt.export.onnx import export_onnx, exported_runners, written_rows
 from glance_rt.export.vision import VisionGraphs, export_vision
-from glance_rt.round.verify import verify_by_rows
 
 BACKEND = "onnxruntime"
 
@@ -99,20 +98,8 @@ class BoundGraph:
 
 def runners(path: Path, manifest: dict, graphs) -> dict:
     """The callables StaticPasses runs, one ONNX Runtime session per graph."""
-
-
-    fns, verify = {}, {}
-    for key, info in manifest["graphs"].items():
-        name = key.split("-")[0]
-        bufs = [b for cache in graph_caches(graphs, name) for b in cache.buffers()]
-        run = BoundGraph(_session(path, info, manifest["flavor"]), info, name, graphs, bufs)
-        if name == "verify":
-            verify[int(key.split("-")[1])] = run
-        else:
-            fns[name] = run
-
-    fns["verify"] = verify_by_rows(verify)
-    return fns
+    return exported_runners(manifest, graphs, lambda info, name, bufs: BoundGraph(
+        _session(path, info, manifest["flavor"]), info, name, graphs, bufs))
 
 
 def vision(path: Path, manifest: dict, target):

@@ -23,11 +23,10 @@ from pathlib import Path
 import torch
 
 from glance_rt.errors import GlanceError, require
-from glance_rt.export.onnx import DOMAIN, export_onnx, graph_caches, written_rows
+from glance_rt.export.onnx import DOMAIN, export_onnx, exported_runners, written_rows
 from glance_rt.export.vision import VisionGraphs, export_vision
 from glance_rt.files import atomic_write
 from glance_rt.plugins import TENSORRT_PLUGIN
-from glance_rt.round.verify import verify_by_rows
 
 BACKEND = "tensorrt"
 PLUGIN_NAMESPACE, PLUGIN_OP = TENSORRT_PLUGIN.split("::")  # the parser looks plugins up by (op_type, namespace)
@@ -177,23 +176,16 @@ def runners(path: Path, manifest: dict, graphs) -> dict:
     """The callables StaticPasses runs, one engine per graph, over the Decoder's own caches."""
     if not graphs.verifier.embed_tokens.weight.is_cuda:
         raise GlanceError("a TensorRT engine runs on a CUDA GPU: load the target with device='cuda' (--device cuda)")
-    fns, verify = {}, {}
-    for key, info in manifest["graphs"].items():
-        name = key.split("-")[0]
-        bufs = [b for cache in graph_caches(graphs, name) for b in cache.buffers()]
 
-        def write_back(inputs, new, bufs=bufs, name=name):
+    def make(info, name, bufs):
+        def write_back(inputs, new):
             rows = written_rows(graphs, name, inputs)  # on the device, from the static inputs: capturable
             for b, n in zip(bufs, new, strict=True):
                 b.index_copy_(2, rows, n)
 
-        run = EngineGraph(path, info, bufs, write_back)
-        if name == "verify":
-            verify[int(key.split("-")[1])] = run
-        else:
-            fns[name] = run
-    fns["verify"] = verify_by_rows(verify)
-    return fns
+        return EngineGraph(path, info, bufs, write_back)
+
+    return exported_runners(manifest, graphs, make)
 
 
 class _VisionSession:

@@ -147,6 +147,24 @@ def _names(graphs, name: str, args) -> tuple[list[str], list[str]]:
     return ins + kv_in, outs + kv_out
 
 
+def exported_runners(manifest: dict, graphs, make) -> dict:
+    """The callables StaticPasses runs for an engine of exported graphs: `make(info, name, bufs)` ->
+    one graph's runner (`bufs`: the cache buffers it reads, in its input order); verify graphs, one
+    per tree-budget bucket, picked by their row count."""
+    from glance_rt.round.verify import verify_by_rows
+
+    fns, verify = {}, {}
+    for key, info in manifest["graphs"].items():
+        name = key.split("-")[0]
+        run = make(info, name, [b for cache in graph_caches(graphs, name) for b in cache.buffers()])
+        if name == "verify":
+            verify[int(key.split("-")[1])] = run
+        else:
+            fns[name] = run
+    fns["verify"] = verify_by_rows(verify)
+    return fns
+
+
 def written_rows(graphs, name: str, args) -> torch.Tensor:
     """The cache rows a graph's `new_*` outputs hold (what the runtime writes back), from its inputs."""
     return _Graph(graphs, name, 0).written(args)
