@@ -488,5 +488,48 @@ def export(target_path, drafter_path, out, budgets, chain, max_length, chunk, op
     click.echo(f"onnx: {out} ({flavor}, opset {opset}, {time.perf_counter() - start:.0f} s); graphs in {out}/GRAPHS.md")
 
 
+
+@main.command()
+@TARGET
+@DRAFTER
+@method_options
+@click.option("--max-length", default=2048, show_default=True, type=int,
+              help="Static cache rows: the longest prompt + completion a request may have (engines: theirs).")
+@DTYPE
+@DEVICE
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--max-queue", default=16, show_default=True, type=int,
+              help="Requests waiting beyond the one being decoded; more get 429 with Retry-After.")
+@click.option("--request-timeout", default=600.0, show_default=True, type=float,
+              help="Seconds a request may take from arrival; past it, it stops at the next round (408).")
+@click.option("--max-tokens", "default_max_tokens", default=256, show_default=True, type=int,
+              help="Completion tokens when a request names no max_tokens.")
+@click.option("--model-name", default=None, help="The model id /v1/models lists (default: the target's name).")
+def serve(target_path, drafter_path, method, max_length, dtype, device, host, port, max_queue, request_timeout,
+          default_max_tokens, model_name):
+    """Serve the target over an OpenAI-compatible HTTP API (chat and text completions, streaming,
+    images, /metrics), one request at a time from a bounded queue; warms up before it reports ready."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise click.ClickException("serve needs fastapi and uvicorn: pip install 'glance-rt[serve]'") from e
+    from glance_rt.server.app import create_app
+
+    try:
+        target, dec, _ = _method_decoder(method, target_path, drafter_path, dtype, device, max_length,
+                                         lambda t: [], default_max_tokens)
+        click.echo(f"[glance-rt] warming up {_describe(dec)} ...", err=True)
+        dec.warmup()
+    except GlanceError as e:
+        raise click.ClickException(str(e)) from e
+    name = model_name or target.name
+    app = create_app(dec, name, max_queue=max_queue, request_timeout=request_timeout,
+                     default_max_tokens=default_max_tokens)
+    click.echo(f"[glance-rt] serving {name} ({_describe(dec)}) on http://{host}:{port}/v1", err=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
 if __name__ == "__main__":
     main()

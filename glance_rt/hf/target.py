@@ -55,6 +55,14 @@ class Target:
 
     def encode_chat(self, prompt: str, images=()) -> dict:
         """One user turn through the chat template (if any) and the processor, as a user would."""
+        images = list(images)
+        return self.encode_messages([{"role": "user", "content": [{"type": "image"} for _ in images]
+                                      + [{"type": "text", "text": prompt}]}], images)
+
+    def encode_messages(self, messages: list[dict], images=()) -> dict:
+        """A conversation through the chat template (if any) and the processor. `messages`: role and
+        content, a string or a list of {"type": "text", "text"} / {"type": "image"} parts; `images`: the
+        images of the image parts, in order."""
         if self.processor is None:
             raise GlanceError(f"{self.name} has no processor or tokenizer: pass token ids to Decoder.generate")
         images = list(images)
@@ -62,14 +70,13 @@ class Target:
             raise GlanceError(f"{self.name} is a text model: it takes no images (drop --image)")
         template = getattr(self.processor, "chat_template", None) or getattr(self.tokenizer, "chat_template", None)
         if template:
-            content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
-            if not self.is_vlm:
-                content = prompt
-            text = self.processor.apply_chat_template(
-                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
-            )
+            if not self.is_vlm:  # text templates take plain strings
+                messages = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
+                             "".join(p["text"] for p in m["content"] if p["type"] == "text")} for m in messages]
+            text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         else:
-            text = prompt
+            text = "\n".join(m["content"] if isinstance(m["content"], str) else
+                             "".join(p.get("text", "") for p in m["content"]) for m in messages)
         if self.is_vlm:
             return dict(self.processor(text=text, images=images or None, return_tensors="pt"))
         return dict(self.tokenizer(text, return_tensors="pt", add_special_tokens=not template))

@@ -1,0 +1,217 @@
+"""`glance-rt serve` end to end: the real server (uvicorn in a subprocess on a free loopback port), the
+real `openai` client, raw HTTP for bad inputs. Outputs equal offline `Decoder.generate`."""
+
+import base64
+import http.client
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+import glance_rt
+
+openai = pytest.importorskip("openai", reason="the openai client is a dev dependency")
+
+MAX_LENGTH = 256
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+class Server:
+    def __init__(self, model: str, drafter: str, *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "glance_rt.cli", "serve", "--target", model, "--drafter", drafter, "--port",
+             str(self.port), "--max-length", str(MAX_LENGTH), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+            try:
+                if get(self.url + "/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            raise RuntimeError("server did not come up")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.tiny_models import make_tiny
+
+    root = tmp_path_factory.mktemp("serve")
+    model, processor = make_tiny("qwen2_5_vl")
+    model.save_pretrained(root / "m")
+    processor.save_pretrained(root / "m")
+    target = glance_rt.load_target(root / "m")
+    glance_rt.init_drafter(target, block_size=4, seed=1).save(root / "d")
+    return str(root / "m"), str(root / "d")
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    s = Server(*tiny, "--max-queue", "2", "--max-tokens", "16")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny):
+    """The same method offline (the server's defaults: tree 8 + lookup 3, eager, same cache size)."""
+    target = glance_rt.load_target(tiny[0])
+    dec = glance_rt.Decoder(target, glance_rt.load_drafter(tiny[1], target), max_length=MAX_LENGTH)
+
+    def run(prompt: str, images=(), sampling=None, max_tokens=16):
+        inputs = target.encode_chat(prompt, images)
+        return dec.generate(max_new_tokens=max_tokens, sampling=sampling or glance_rt.Sampling(), **inputs).text
+
+    return run
+
+
+def png_url(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_chat_equals_offline_plain_and_streaming(server, offline):
+    from tests.tiny_models import make_images
+
+    r = server.client.chat.completions.create(model=server.client.models.list().data[0].id, temperature=0,
+                                              messages=[{"role": "user", "content": "Tell me about rivers."}],
+                                              max_tokens=16)
+    assert r.choices[0].message.content == offline("Tell me about rivers.")
+    assert r.usage.completion_tokens > 0 and r.model_extra["glance"]["rounds"] >= 1
+    image = make_images(1)[0]
+    content = [{"type": "image_url", "image_url": {"url": png_url(image)}}, {"type": "text", "text": "What is it?"}]
+    pieces, usage = [], None
+    for chunk in server.client.chat.completions.create(model=r.model, temperature=0, stream=True, max_tokens=16,
+                                                       messages=[{"role": "user", "content": content}],
+                                                       stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        elif chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+    assert "".join(pieces) == offline("What is it?", [image])
+    assert usage is not None and usage.completion_tokens > 0
+
+
+def test_sampling_is_seed_exact_through_the_server(server, offline):
+    s = glance_rt.Sampling(do_sample=True, temperature=1.5, top_k=0, top_p=0.9, seed=7)
+    r = server.client.chat.completions.create(model=server.client.models.list().data[0].id,
+                                              messages=[{"role": "user", "content": "Say something."}],
+                                              temperature=1.5, top_p=0.9, seed=7, max_tokens=16)
+    assert r.choices[0].message.content == offline("Say something.", sampling=s)
+
+
+def post(server, path: str, body, raw: bool = False) -> tuple[int, dict]:
+    data = (body if raw else json.dumps(body)).encode()
+    req = urllib.request.Request(server.url + path, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ("{not json", 400, None),
+    ({"messages": "hi"}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}, 404, "model"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     400, "messages"),
+    ({"messages": [{"role": "user", "content": "word " * 400}]}, 400, "messages"),
+])
+def test_bad_requests_get_openai_errors(server, body, status, param):
+    code, reply = post(server, "/v1/chat/completions", body, raw=isinstance(body, str))
+    assert code == status, reply
+    err = reply["error"]
+    assert err["message"] and err["type"] and err["param"] == param
+    assert get(server.url + "/health")[0] == 200  # the server lives on
+
+
+def test_completions_models_metrics(server, offline):
+    r = server.client.completions.create(model=server.client.models.list().data[0].id, prompt="Once upon a time",
+                                         temperature=0, max_tokens=8)
+    assert r.choices[0].text and r.usage.completion_tokens <= 8
+    text = get(server.url + "/metrics")[1]
+    assert "glance_requests_total" in text and "glance_accepted_tokens_per_round_bucket" in text
+    code, body = get(server.url + "/nope")
+    assert code == 404 and json.loads(body)["error"]["type"] == "invalid_request_error"
+
+
+def test_load_no_request_lost_or_mixed_and_disconnect_frees_the_decoder(server, offline):
+    """8 clients x 3 requests with a queue of 2: each completes with its own prompt's answer or gets a
+    429; the metrics count them; a client dropped mid-stream does not block the next request."""
+    prompts = [f"Count to {i}." for i in range(8)]
+    want = {p: offline(p, max_tokens=8) for p in prompts}
+    results, errors = [], []
+
+    def client(p):
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        for _ in range(3):
+            try:
+                r = c.chat.completions.create(model=server.client.models.list().data[0].id, temperature=0,
+                                              messages=[{"role": "user", "content": p}], max_tokens=8)
+                results.append((p, r.choices[0].message.content))
+            except openai.RateLimitError:
+                errors.append(429)
+
+    threads = [threading.Thread(target=client, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert len(results) + len(errors) == 24 and results
+    assert all(text == want[p] for p, text in results)
+    m = get(server.url + "/metrics")[1]
+    rejected = int(next(line.split()[-1] for line in m.splitlines()
+                        if line.startswith("glance_requests_rejected_total")))
+    assert rejected >= len(errors)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "messages": [{"role": "user", "content": "Go on and on."}], "stream": True, "max_tokens": 200,
+        "temperature": 0}), {"content-type": "application/json"})
+    resp = conn.getresponse()
+    resp.readline()  # the first chunk, then hang up
+    conn.close()
+    start = time.time()
+    r = server.client.chat.completions.create(model=server.client.models.list().data[0].id, temperature=0,
+                                              messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert r.choices[0].message.content == offline("Hi", max_tokens=4)
+    assert time.time() - start < 60
