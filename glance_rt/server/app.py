@@ -66,7 +66,10 @@ class Worker:
                 job.put("error", ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
 
     def _run(self, job: Job) -> None:
-        if job.cancelled.is_set():
+        if job.cancelled.is_set():  # the client left while it waited
+            return
+        if time.perf_counter() > job.deadline:
+            job.put("error", ApiError(408, "the request waited past the server's --request-timeout", kind="timeout"))
             return
         stats, tokens, shown = Stats(), [], ""
         target, start = self.decoder.target, time.perf_counter()
