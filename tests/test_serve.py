@@ -175,12 +175,19 @@ def test_completions_models_metrics(server, offline):
     assert code == 404 and json.loads(body)["error"]["type"] == "invalid_request_error"
 
 
+def counters(server) -> dict:
+    text = get(server.url + "/metrics")[1]
+    return {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
+            if line and not line.startswith("#") and "{" not in line}
+
+
 def test_load_no_request_lost_or_mixed_and_disconnect_frees_the_decoder(server, offline):
     """8 clients x 3 requests with a queue of 2: each completes with its own prompt's answer or gets a
     429; the metrics count them; a client dropped mid-stream does not block the next request."""
     prompts = [f"Count to {i}." for i in range(8)]
     want = {p: offline(p, max_tokens=8) for p in prompts}
     results, errors = [], []
+    before = counters(server)
 
     def client(p):
         c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -188,7 +195,7 @@ def test_load_no_request_lost_or_mixed_and_disconnect_frees_the_decoder(server, 
             try:
                 r = c.chat.completions.create(model=server.client.models.list().data[0].id, temperature=0,
                                               messages=[{"role": "user", "content": p}], max_tokens=8)
-                results.append((p, r.choices[0].message.content))
+                results.append((p, r.choices[0].message.content, r.usage.completion_tokens))
             except openai.RateLimitError:
                 errors.append(429)
 
@@ -198,11 +205,12 @@ def test_load_no_request_lost_or_mixed_and_disconnect_frees_the_decoder(server, 
     for t in threads:
         t.join(timeout=300)
     assert len(results) + len(errors) == 24 and results
-    assert all(text == want[p] for p, text in results)
-    m = get(server.url + "/metrics")[1]
-    rejected = int(next(line.split()[-1] for line in m.splitlines()
-                        if line.startswith("glance_requests_rejected_total")))
-    assert rejected >= len(errors)
+    assert all(text == want[p] for p, text, _ in results)
+    after = counters(server)  # the metrics add up
+    assert after["glance_requests_total"] - before["glance_requests_total"] == len(results)
+    assert after["glance_requests_rejected_total"] - before["glance_requests_rejected_total"] == len(errors)
+    assert (after["glance_completion_tokens_total"] - before["glance_completion_tokens_total"]
+            == sum(n for _, _, n in results))
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request("POST", "/v1/chat/completions", json.dumps({
         "messages": [{"role": "user", "content": "Go on and on."}], "stream": True, "max_tokens": 200,
