@@ -512,10 +512,11 @@ def serve(target_path, drafter_path, method, max_length, dtype, device, host, po
     images, /metrics), one request at a time from a bounded queue; warms up before it reports ready."""
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as e:
         raise click.ClickException("serve needs fastapi and uvicorn: pip install 'glance-rt[serve]'") from e
     from glance_rt.server.app import create_app
+    from glance_rt.server.app import serve as run_server
 
     try:
         target, dec, _ = _method_decoder(method, target_path, drafter_path, dtype, device, max_length,
@@ -525,10 +526,10 @@ def serve(target_path, drafter_path, method, max_length, dtype, device, host, po
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     name = model_name or target.name
-    app = create_app(dec, name, max_queue=max_queue, request_timeout=request_timeout,
-                     default_max_tokens=default_max_tokens)
+    app, worker = create_app(dec, name, max_queue=max_queue, request_timeout=request_timeout,
+                             default_max_tokens=default_max_tokens)
     click.echo(f"[glance-rt] serving {name} ({_describe(dec)}) on http://{host}:{port}/v1", err=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    run_server(app, worker, host, port)
 
 
 if __name__ == "__main__":

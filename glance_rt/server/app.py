@@ -1,9 +1,11 @@
 """`glance-rt serve`: an OpenAI-compatible HTTP server over one Decoder (FastAPI + uvicorn).
 
-One worker thread owns the decoder and serves requests in arrival order from a bounded queue (429
-with Retry-After when it is full). A request runs as the Decoder's rounds; between rounds the worker
-checks whether the client went away or the request timed out, and stops it there, so a disconnect
-frees the decoder within one round. Batch size is 1: concurrent requests wait their turn.
+One worker owns the decoder and serves requests in arrival order from a bounded queue (429 with
+Retry-After when it is full). `glance-rt serve` runs the worker in the main thread and uvicorn in a
+second one: torch's CPU kernels ran generation about 25% slower from a non-main thread on the
+development machine (measured; OpenMP's spinning worker team serves the main thread). A request runs
+as the Decoder's rounds; between rounds the worker checks whether the client went away or the request
+timed out, and stops it there, so a disconnect frees the decoder within one round. Batch size is 1: concurrent requests wait their turn.
 """
 
 import asyncio
@@ -42,8 +44,6 @@ class Worker:
     def __init__(self, decoder, metrics: Metrics, max_queue: int):
         self.decoder, self.metrics = decoder, metrics
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
-        self.thread = threading.Thread(target=self._serve, name="glance-rt-decoder", daemon=True)
-        self.thread.start()
 
     def submit(self, job: Job) -> None:
         try:
@@ -54,7 +54,8 @@ class Worker:
                            kind="rate_limit_error", code="queue_full") from e
         self.metrics.queue_depth = self.jobs.qsize()
 
-    def _serve(self) -> None:
+    def serve_forever(self) -> None:
+        """Decode queued jobs, one at a time, forever (the caller's thread: run it in the main one)."""
         while True:
             job = self.jobs.get()
             self.metrics.queue_depth = self.jobs.qsize()
@@ -109,7 +110,8 @@ class Worker:
 
 def create_app(decoder, model_name: str, max_queue: int = 16, request_timeout: float = 600.0,
                default_max_tokens: int = 256):
-    """The FastAPI app serving `decoder` (warmed up by the caller) as model `model_name`."""
+    """(the FastAPI app serving `decoder` (warmed up by the caller) as model `model_name`, its Worker:
+    call `worker.serve_forever()` to decode)."""
     import json
 
     from fastapi import FastAPI
@@ -263,4 +265,17 @@ def create_app(decoder, model_name: str, max_queue: int = 16, request_timeout: f
         metrics.queue_depth = worker.jobs.qsize()
         return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
 
-    return app
+    return app, worker
+
+
+def serve(app, worker: Worker, host: str, port: int) -> None:
+    """uvicorn in a background thread, the decoder in this (the main) thread, until interrupted."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server.install_signal_handlers = lambda: None  # signals stay with the main thread
+    threading.Thread(target=server.run, name="glance-rt-http", daemon=True).start()
+    try:
+        worker.serve_forever()
+    except KeyboardInterrupt:
+        server.should_exit = True
