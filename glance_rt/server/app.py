@@ -5,7 +5,8 @@ Retry-After when it is full). `glance-rt serve` runs the worker in the main thre
 second one: torch's CPU kernels ran generation about 25% slower from a non-main thread on the
 development machine (measured; OpenMP's spinning worker team serves the main thread). A request runs
 as the Decoder's rounds; between rounds the worker checks whether the client went away or the request
-timed out, and stops it there, so a disconnect frees the decoder within one round. Batch size is 1: concurrent requests wait their turn.
+timed out, and stops it there, so a disconnect frees the decoder within one round. Batch size is 1:
+concurrent requests wait their turn.
 """
 
 import asyncio
