@@ -9,7 +9,6 @@ one row). Output tokens are exactly the target's greedy tokens; with `sampling=S
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -237,9 +236,6 @@ class Decoder:
         ids = torch.cat([ids, torch.tensor(kept, dtype=torch.long)])
         yield kept
         n, bonus, ctx_feats, ctx_start = p + 1, first, feats, 0
-        history = None  # prompt + committed tokens, for prompt lookup
-        if self.lookup:
-            history = ids.numpy().copy()
         while not done:
             round_start = time.perf_counter()
             block_start = n - 1
@@ -249,7 +245,7 @@ class Decoder:
                 stats.draft_passes += 1
                 clock.lap("draft")
             budget = self.tree_budget if self.policy is None else self.policy.choose(prior)
-            chain = () if history is None else prompt_lookup(history, self.lookup, budget)
+            chain = prompt_lookup(ids.numpy(), self.lookup, budget) if self.lookup else ()  # prompt + committed
             tree = build_tree(draft_logits, bonus, budget, self.chain, self.draft_vocab, chain)
             tokens = torch.from_numpy(tree.tokens).to(dev)
             mask = torch.from_numpy(tree.mask).to(dev)
@@ -276,8 +272,6 @@ class Decoder:
                 self.passes.commit(path, block_start)
                 ctx_feats = feats[torch.tensor(path, device=dev)] if self.drafter is not None else feats
                 ctx_start, n, bonus = block_start, n + len(path), run[-1]
-                if history is not None:
-                    history = np.concatenate([history, np.asarray(run, dtype=np.int64)])
             clock.lap("commit")
             stats.round_seconds.append(time.perf_counter() - round_start)
             yield kept
