@@ -241,12 +241,20 @@ def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> 
 @click.option("--limit", default=None, type=int, help="Use only the first N prompts (smoke runs).")
 @click.option("--per-kind", default=None, type=int, help="Train on at most N prompts of each kind.")
 @click.option("--no-bf16", is_flag=True, help="Train in fp32 (default: bf16 autocast and a bf16 lm_head copy).")
-@click.option("--draft-vocab", default=8192, show_default=True, type=int,
-              help="Draft vocabulary: the N most frequent response tokens (0: the whole vocabulary).")
+@click.option("--draft-vocab", default=0, show_default=True, type=int,
+              help="Glance-only draft vocabulary: the N most frequent response tokens (0: the whole vocabulary, "
+                   "as DFlash drafts).")
+@click.option("--mask-token-id", default=None, type=int,
+              help="Target token whose embedding masks the block (default: one no text uses; docs/training.md).")
+@click.option("--learned-mask", is_flag=True,
+              help="Glance-only: learn the mask embedding instead (not DFlash-compatible).")
+@click.option("--init-from", type=click.Path(), default=None,
+              help="Start from this drafter folder's weights (same shape and target layers) instead of a random init.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its last complete stage/checkpoint.")
 def train(target_path, prompts, images, out, num_layers, block_size, target_layer_ids, response_tokens,
           response_batch, steps, batch_size, blocks_per_seq, lr, gamma, seed, save_every, eval_every,
-          eval_per_kind, eval_budget, eval_lookup, limit, per_kind, no_bf16, draft_vocab, resume):
+          eval_per_kind, eval_budget, eval_lookup, limit, per_kind, no_bf16, draft_vocab, mask_token_id,
+          learned_mask, init_from, resume):
     """Train a GLANCE drafter for a target by self-distillation (resumable; torchrun for data parallel)."""
     try:
         from glance_rt.hf.target import load_target
@@ -259,7 +267,8 @@ def train(target_path, prompts, images, out, num_layers, block_size, target_laye
                           steps=steps, batch_size=batch_size, blocks_per_seq=blocks_per_seq, lr=lr, gamma=gamma,
                           seed=seed, save_every=save_every, eval_every=eval_every, eval_per_kind=eval_per_kind,
                           eval_budget=eval_budget, eval_lookup=eval_lookup, limit=limit, per_kind=per_kind,
-                          bf16=not no_bf16, draft_vocab=draft_vocab or None, resume=resume)
+                          bf16=not no_bf16, draft_vocab=draft_vocab or None, mask_token_id=mask_token_id,
+                          learned_mask=learned_mask, init_from=init_from, resume=resume)
         target = load_target(target_path)
         _, result = run_training(target, cfg)
     except GlanceError as e:
@@ -269,6 +278,32 @@ def train(target_path, prompts, images, out, num_layers, block_size, target_laye
         click.echo(f"tau (held-out, tree budget {result['tree_budget']}, lookup {result['lookup']}): "
                    f"overall {result['overall']['tau']:.2f}; "
                    + ", ".join(f"{k} {v['tau']:.2f}" for k, v in result["kinds"].items()))
+
+
+@main.command("check-drafter")
+@click.argument("path", type=click.Path(), required=False)
+@click.option("--dflash", is_flag=True,
+              help="Fail unless DFlash's reference (z-lab/dflash, so vLLM / SGLang too) drafts the same tokens.")
+def check_drafter(path, dflash):
+    """Describe a drafter folder (default: the shipped one) and whether it is DFlash-compatible."""
+    from glance_rt.hf.embedded import DRAFTER_DIR
+    from glance_rt.models.drafter import check_dflash, read_drafter
+
+    try:
+        drafter = read_drafter(path or DRAFTER_DIR)
+        c = drafter.config
+        mask = "learned embedding" if c.learned_mask else f"token {c.mask_token_id}"
+        vocab = f"{c.draft_vocab_size} of {c.vocab_size}" if c.draft_vocab_size else f"all {c.vocab_size}"
+        click.echo(f"{c.num_hidden_layers} layers, block {c.block_size}, target layers {list(c.target_layer_ids)} "
+                   f"of {c.num_target_layers}, mask {mask}, draft vocabulary {vocab}, "
+                   f"RoPE {c.rope_parameters['rope_type']} (theta {c.rope_theta:g})")
+        problems = c.dflash_problems()
+        click.echo("DFlash-compatible: " + ("yes (same draft tokens in z-lab/dflash, vLLM, SGLang)" if not problems
+                                           else "no, glance-rt only: " + "; ".join(problems)))
+        if dflash:
+            check_dflash(drafter)
+    except GlanceError as e:
+        raise click.ClickException(str(e)) from e
 
 
 @main.command()

@@ -37,7 +37,8 @@ def test_folder_is_dflash_format(tmp_path):
 
     keys = set(load_file(tmp_path / "d" / "model.safetensors"))
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight",
-            "layers.1.mlp.gate_proj.weight", "mask_embedding"} <= keys
+            "layers.1.mlp.gate_proj.weight"} <= keys
+    assert "mask_embedding" not in keys and "draft_vocab" not in keys  # glance-only extensions are opt-in
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no temp folders left behind
 
 
@@ -81,8 +82,8 @@ def test_corrupt_or_missing_checkpoint(tmp_path, damage):
     elif damage == "wrong_keys":
         cfg["num_hidden_layers"] = 3
         (path / "config.json").write_text(json.dumps(cfg))
-    elif damage == "missing_ids":
-        del cfg["dflash_config"]["target_layer_ids"]
+    elif damage == "missing_ids":  # neither the ids nor what DFlash's default rule needs
+        del cfg["dflash_config"]["target_layer_ids"], cfg["num_target_layers"]
         (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(GlanceError, match="drafter|corrupt|config"):
         glance_rt.load_drafter(path, target)

@@ -6,17 +6,32 @@ features; decoder layers (RMSNorm, attention with q/k norm whose K/V are project
 context features and the block, SwiGLU MLP); 1-D RoPE; final `norm`. The target's `embed_tokens`
 and `lm_head` are shared and frozen (they are not part of the checkpoint).
 
-Draft vocabulary (as EAGLE-3's): a drafter may propose only `draft_vocab` [Vd], a sorted subset of the
-target's token ids (the most frequent in its training responses). Its logits are then the lm_head
-rows of that subset: a pass over 8k rows instead of 49k, in training and at inference, at the cost
-of never drafting a rare token (verification still decides every token, so output is unchanged).
+The DFlash contract (README, "DFlash interoperability"). A folder is DFlash-compatible, so z-lab/dflash's
+`DFlashDraftModel` + `dflash_generate` (and vLLM / SGLang's DFlash support) draft exactly the tokens
+glance-rt drafts, when it uses no glance-only extension: its mask is the embedding of a target token
+(`dflash_config.mask_token_id`) and it drafts over the whole vocabulary. `init_drafter` and
+`glance-rt train` make such folders by default. Two extensions are opt-in, declared in config.json's
+`glance` section and refused by `check_dflash` (they have no DFlash form: DFlash reads neither tensor):
+- a learned mask embedding (`mask_embedding` [H]) instead of a mask token's embedding;
+- a draft vocabulary (as EAGLE-3's): the drafter may propose only `draft_vocab` [Vd], a sorted subset
+  of the target's token ids; its logits are the lm_head rows of that subset (a head over 8k rows
+  instead of 49k, at the cost of never drafting a rare token; verification still decides every token).
+A folder with an extension is written as architecture `GlanceDraftModel`, so a DFlash loader that
+dispatches on the architecture refuses it instead of drafting other tokens.
+
+Config is read as the reference reads it (a transformers `Qwen3Config`): RoPE scaling (`rope_parameters`
+or legacy `rope_scaling`) through transformers' own rotary embedding, a missing
+`dflash_config.target_layer_ids` by DFlash's default rule; what the reference's model would run
+differently from ours (biased projections, another activation, sliding windows, partial or
+position-dependent RoPE) is a `GlanceError` naming the field.
 """
 
+import functools
 import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +44,9 @@ from glance_rt.models.target import apply_rope
 
 FORMAT_VERSION = 1
 MAX_BLOCK_SIZE = 64
+# RoPE types whose frequencies are fixed (transformers' ROPE_INIT_FUNCTIONS; "dynamic" and "longrope"
+# change with the sequence length, which static caches cannot follow)
+STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
 
 
 @dataclass(frozen=True)
@@ -44,10 +62,19 @@ class DrafterConfig:
     intermediate_size: int = 1024
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, object], ...] = ()  # other rope_parameters: (("factor", 4.0), ("rope_type", "yarn"))
+    max_position_embeddings: int = 32768  # read by some RoPE types (yarn)
     block_size: int = 8
-    mask_token_id: int | None = None  # a target token used as the mask ...
-    learned_mask: bool = True  # ... or a learned mask embedding (`mask_embedding`)
-    draft_vocab_size: int | None = None  # None: draft over the whole vocabulary; else a `draft_vocab` buffer
+    mask_token_id: int | None = None  # a target token whose embedding is the mask (DFlash) ...
+    learned_mask: bool = False  # ... or a learned mask embedding `mask_embedding` (glance-only)
+    draft_vocab_size: int | None = None  # None: the whole vocabulary; else a `draft_vocab` buffer (glance-only)
+
+    def __post_init__(self):  # one spelling per config: sorted, hashable, without the default rope_type
+        rope = {k: tuple(v) if isinstance(v, list) else v for k, v in dict(self.rope_scaling).items()}
+        if rope.get("rope_type") == "default":
+            del rope["rope_type"]
+        object.__setattr__(self, "rope_scaling", tuple(sorted(rope.items())))
+        object.__setattr__(self, "target_layer_ids", tuple(self.target_layer_ids))
 
     def validate(self) -> None:
         if not 2 <= self.block_size <= MAX_BLOCK_SIZE:
@@ -55,15 +82,44 @@ class DrafterConfig:
         if not self.target_layer_ids:
             raise GlanceError("target_layer_ids is empty: the drafter needs at least one target layer")
         if self.mask_token_id is None and not self.learned_mask:
-            raise GlanceError("a drafter needs a mask_token_id or a learned mask embedding")
+            raise GlanceError("a drafter needs a mask token (dflash_config.mask_token_id in config.json, DFlash's "
+                              "form) or a learned mask embedding (glance.learned_mask)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise GlanceError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise GlanceError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
+        kind = self.rope_parameters.get("rope_type", "default")
+        if kind not in STATIC_ROPE_TYPES:
+            raise GlanceError(
+                f"rope_parameters.rope_type {kind!r} is not supported: its frequencies change with the sequence "
+                f"length, which glance-rt's static caches cannot follow (supported: {', '.join(STATIC_ROPE_TYPES)})")
+        if float(self.rope_parameters.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise GlanceError("rope_parameters.partial_rotary_factor != 1 is not supported: DFlash's drafter "
+                              "rotates the whole head dimension")
+
+    @property
+    def rope_parameters(self) -> dict:
+        """RoPE as transformers' `config.rope_parameters` holds it."""
+        params = {"rope_type": "default", **{k: list(v) if isinstance(v, tuple) else v for k, v in self.rope_scaling}}
+        return {**params, "rope_theta": self.rope_theta}
+
+    def dflash_problems(self) -> list[str]:
+        """Why DFlash's reference would not draft what glance-rt drafts with this config ([] = compatible)."""
+        problems = []
+        if self.learned_mask:
+            problems.append("a learned mask embedding (`mask_embedding`): DFlash masks with the embedding of "
+                            "dflash_config.mask_token_id")
+        elif self.mask_token_id is None:
+            problems.append("no dflash_config.mask_token_id")
+        if self.draft_vocab_size is not None:
+            problems.append(f"a draft vocabulary of {self.draft_vocab_size} tokens (`draft_vocab`): DFlash drafts "
+                            "over the target's whole vocabulary")
+        return problems
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """DFlash's default choice: the middle layer for one draft layer, else spread over [1, L-3]."""
+    """DFlash's default choice: the middle layer for one draft layer, else spread over [1, L-3] (for
+    targets of fewer than 5 layers, where DFlash's rule leaves the layers, clamped to layer 1)."""
     if num_draft_layers == 1:
         return (num_target_layers // 2,)
     start, end = 1, max(num_target_layers - 3, 1)
@@ -138,15 +194,29 @@ def layer_out(layer: DraftLayer, h: Tensor, attn: Tensor) -> Tensor:
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def rope_tables(inv_freq: Tensor, positions: Tensor, dtype) -> tuple[Tensor, Tensor]:
-    """positions [T] -> cos, sin [1, T, D] (1-D RoPE, HF/Qwen3 layout)."""
+def rope_tables(inv_freq: Tensor, positions: Tensor, dtype, scaling: float = 1.0) -> tuple[Tensor, Tensor]:
+    """positions [T] -> cos, sin [1, T, D] (1-D RoPE, HF/Qwen3 layout; `scaling`: the RoPE type's
+    attention scaling, 1 for most)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)[None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    if scaling == 1.0:
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
-def inv_freq(c: DrafterConfig) -> Tensor:
-    return 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+@functools.lru_cache(maxsize=16)
+def rope(c: DrafterConfig) -> tuple[Tensor, float]:
+    """-> (inv_freq [D/2], attention_scaling): exactly what transformers' `Qwen3RotaryEmbedding` (the
+    rotary embedding of DFlash's reference drafter) computes for this config, scaled types included."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    c.validate()
+    hf = Qwen3Config(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
+                     num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+                     rope_parameters=c.rope_parameters)
+    emb = Qwen3RotaryEmbedding(hf)
+    return emb.inv_freq.float(), float(emb.attention_scaling)  # (cached: do not modify inv_freq in place)
 
 
 class GlanceDrafter(nn.Module):
@@ -209,9 +279,10 @@ class GlanceDrafter(nn.Module):
 
 
 def _config_json(c: DrafterConfig, dtype: torch.dtype) -> dict:
-    """DFlash-style config.json (a Qwen3 config plus block_size / num_target_layers / dflash_config)."""
+    """DFlash-style config.json: a Qwen3 config plus block_size / num_target_layers / dflash_config (what
+    DFlash's reference reads), and a `glance` section declaring the glance-only extensions in use."""
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": ["GlanceDraftModel" if c.dflash_problems() else "DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": c.hidden_size,
         "num_hidden_layers": c.num_hidden_layers,
@@ -221,7 +292,8 @@ def _config_json(c: DrafterConfig, dtype: torch.dtype) -> dict:
         "intermediate_size": c.intermediate_size,
         "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": c.rope_theta,
-        "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"},
+        "rope_parameters": c.rope_parameters,
+        "max_position_embeddings": c.max_position_embeddings,
         "vocab_size": c.vocab_size,
         "hidden_act": "silu",
         "attention_bias": False,
@@ -239,14 +311,51 @@ def _config_json(c: DrafterConfig, dtype: torch.dtype) -> dict:
     }
 
 
+def _refuse(field: str, why: str) -> None:
+    raise GlanceError(f"DFlash config field {field}: {why}; glance-rt's drafter would not draft what DFlash's "
+                      "reference drafts, so it refuses the folder")
+
+
 def _config_from_json(d: dict) -> DrafterConfig:
-    dflash = d.get("dflash_config", {})
-    glance = d.get("glance", {})
-    rope = d.get("rope_parameters") or {}
-    ids = dflash.get("target_layer_ids", d.get("target_layer_ids"))
-    if ids is None:
-        raise KeyError("dflash_config.target_layer_ids")
+    """Read a DFlash / GLANCE config.json as DFlash's reference does (through transformers' Qwen3Config,
+    which also turns a legacy `rope_scaling` into `rope_parameters`)."""
+    from transformers import Qwen3Config
+
+    dflash = d.get("dflash_config") or {}
+    glance = d.get("glance") or {}
     heads = d["num_attention_heads"]
+    keys = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "partial_rotary_factor",
+            "num_hidden_layers", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+    hf = Qwen3Config(hidden_size=d["hidden_size"], num_attention_heads=heads,
+                     num_key_value_heads=d.get("num_key_value_heads", heads),
+                     head_dim=d.get("head_dim") or d["hidden_size"] // heads, **{k: d[k] for k in keys if k in d})
+    if d.get("attention_bias"):
+        _refuse("attention_bias", "biased q/k/v/o projections are not supported")
+    if d.get("hidden_act", "silu") != "silu":
+        _refuse("hidden_act", f"{d['hidden_act']!r} is not supported (only silu)")
+    if "sliding_attention" in (hf.layer_types or []):
+        _refuse("use_sliding_window", "sliding-window attention in the drafter is not supported")
+    if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
+        _refuse("partial_rotary_factor", "partial RoPE is not supported")
+    block_size = d.get("block_size", dflash.get("block_size"))
+    if block_size is None:
+        raise KeyError("block_size")
+    if "block_size" in dflash and dflash["block_size"] != block_size:
+        _refuse("dflash_config.block_size", f"{dflash['block_size']} differs from block_size {block_size} "
+                "(the one DFlash's reference uses)")
+    ids = dflash.get("target_layer_ids", d.get("target_layer_ids"))
+    if ids is None:  # DFlash's default rule, which needs num_target_layers
+        if "num_target_layers" not in d:
+            raise GlanceError("the drafter config has neither dflash_config.target_layer_ids nor num_target_layers "
+                              "(DFlash's default rule needs it): add one of them to config.json")
+        ids = build_target_layer_ids(int(d["num_target_layers"]), d["num_hidden_layers"])
+        n, layers = int(d["num_target_layers"]), d["num_hidden_layers"]
+        if layers > 1 and n - 3 <= 1:  # DFlash's rule reaches below layer 1 here (ours clamps): say so
+            raise GlanceError(f"DFlash's default target layers for num_target_layers={n} and {layers} draft layers "
+                              "are not real layers: add dflash_config.target_layer_ids to config.json")
+    rope = dict(hf.rope_parameters)
+    rope.pop("type", None)  # the legacy spelling of rope_type
+    theta = float(rope.pop("rope_theta", 10000.0))
     return DrafterConfig(
         hidden_size=d["hidden_size"],
         vocab_size=d["vocab_size"],
@@ -254,12 +363,14 @@ def _config_from_json(d: dict) -> DrafterConfig:
         num_target_layers=int(d.get("num_target_layers", max(ids) + 1)),
         num_hidden_layers=d["num_hidden_layers"],
         num_attention_heads=heads,
-        num_key_value_heads=d.get("num_key_value_heads", heads),
-        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+        num_key_value_heads=hf.num_key_value_heads,
+        head_dim=hf.head_dim,
         intermediate_size=d["intermediate_size"],
         rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
-        block_size=int(dflash.get("block_size", d.get("block_size", 16))),
+        rope_theta=theta,
+        rope_scaling=tuple(rope.items()),
+        max_position_embeddings=int(hf.max_position_embeddings),
+        block_size=int(block_size),
         mask_token_id=dflash.get("mask_token_id", d.get("mask_token_id")),
         learned_mask=bool(glance.get("learned_mask", False)),
         draft_vocab_size=glance.get("draft_vocab_size"),
@@ -306,6 +417,8 @@ def read_drafter(path, dtype: torch.dtype = torch.float32, device="cpu") -> Glan
         )
     try:
         config = _config_from_json(json.loads(cfg_file.read_text()))
+    except GlanceError:
+        raise
     except (ValueError, KeyError, TypeError) as e:
         raise GlanceError(
             f"{cfg_file} is corrupt or not a DFlash/GLANCE drafter config ({e!r}); re-save or re-train it"
@@ -315,13 +428,17 @@ def read_drafter(path, dtype: torch.dtype = torch.float32, device="cpu") -> Glan
     except (SafetensorError, OSError, ValueError) as e:
         raise GlanceError(f"{weights} is corrupt ({e}); re-save or re-train the drafter") from e
     drafter = GlanceDrafter(config)
-    if not config.learned_mask and "mask_embedding" in state:
-        drafter = GlanceDrafter(replace(config, learned_mask=True))
+    shapes = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
+    wrong = [k for k, v in state.items() if tuple(v.shape) != shapes.get(k, tuple(v.shape))]
+    if wrong:
+        raise GlanceError(f"{weights}: tensors {wrong[:5]} have other shapes than its config.json gives; "
+                          "re-save or re-train the drafter")
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise GlanceError(
             f"{weights} does not match its config.json (missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}); re-save or re-train the drafter"
+            f"unexpected {sorted(unexpected)[:5]}; glance-only tensors must be declared in its `glance` "
+            "section); re-save or re-train the drafter"
         )
     if config.draft_vocab_size is not None:
         v = drafter.draft_vocab
@@ -331,8 +448,26 @@ def read_drafter(path, dtype: torch.dtype = torch.float32, device="cpu") -> Glan
     return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
+def default_mask_token_id(target) -> int:
+    """The target token whose embedding a new drafter masks with (DFlash's `mask_token_id`): the
+    tokenizer's mask token; else the first embedding row past the tokenizer, which no text produces (as
+    DFlash's Qwen3 drafters use); else the last added token that is not special (SmolLM2: `<empty_output>`,
+    16); else the last id. Any id is lossless: it only decides what the drafter reads at masked rows."""
+    tok = getattr(target, "tokenizer", None)
+    if tok is None:
+        return target.vocab_size - 1
+    if getattr(tok, "mask_token_id", None) is not None and tok.mask_token_id < target.vocab_size:
+        return int(tok.mask_token_id)
+    if len(tok) < target.vocab_size:
+        return len(tok)
+    special = set(getattr(tok, "all_special_ids", ()))
+    added = [i for i in getattr(tok, "added_tokens_decoder", {}) if i not in special and i < target.vocab_size]
+    return max(added) if added else target.vocab_size - 1
+
+
 def drafter_config_for(target, num_layers: int = 1, block_size: int = 8, **overrides) -> DrafterConfig:
-    """A config sized for `target`: its hidden size and vocab, DFlash's default layer choice."""
+    """A config sized for `target`: its hidden size and vocab, DFlash's default layer choice, masking with
+    `default_mask_token_id` (so the folder is DFlash-compatible; `learned_mask=True` opts out)."""
     tc = target.text_config
     n_target = tc.num_hidden_layers
     heads = max(tc.num_attention_heads, 1)
@@ -351,6 +486,8 @@ def drafter_config_for(target, num_layers: int = 1, block_size: int = 8, **overr
         block_size=block_size,
     )
     fields.update(overrides)
+    if fields.get("mask_token_id") is None and not fields.get("learned_mask"):
+        fields["mask_token_id"] = default_mask_token_id(target)
     return DrafterConfig(**fields)
 
 
@@ -386,6 +523,20 @@ def check_compatible(config: DrafterConfig, target) -> None:
             "this drafter was built for another target: " + "; ".join(problems)
             + ". Train one for this target with `glance-rt train` or glance_rt.init_drafter(target)."
         )
+
+
+def check_dflash(drafter) -> None:
+    """Refuse (GlanceError) a drafter, or a drafter folder, that DFlash's reference (and vLLM / SGLang's
+    DFlash support) would not run with the same draft tokens: it uses a glance-only extension."""
+    if not isinstance(drafter, GlanceDrafter):
+        drafter = read_drafter(drafter)
+    problems = drafter.config.dflash_problems()
+    if problems:
+        raise GlanceError(
+            "this drafter runs in glance-rt only, not in DFlash (z-lab/dflash, vLLM, SGLang): it uses "
+            + "; ".join(problems) + ". These extensions have no DFlash form; for one, train with "
+            "`glance-rt train`'s defaults (a mask token, the whole vocabulary), or continue this drafter's "
+            "training that way with `--init-from`.")
 
 
 def load_drafter(path=None, target=None) -> GlanceDrafter:

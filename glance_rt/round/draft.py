@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from glance_rt.models.attention import tree_attention
-from glance_rt.models.drafter import GlanceDrafter, inv_freq, rope_tables
+from glance_rt.models.drafter import GlanceDrafter, rope, rope_tables
 from glance_rt.models.kv_cache import KVCache
 from glance_rt.models.linear import pack_module, packed
 
@@ -38,7 +38,8 @@ class DraftPass(nn.Module):
         self.target_layer_ids = c.target_layer_ids
         w = drafter.hidden_norm.weight  # (fc may be prepacked: no .weight)
         self.cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
-        self.register_buffer("inv_freq", inv_freq(c).to(w.device), persistent=False)
+        inv_freq, self.rope_scaling = rope(c)  # [D/2], the RoPE type's attention scaling (a constant)
+        self.register_buffer("inv_freq", inv_freq.to(w.device), persistent=False)
         ids = torch.full((c.block_size,), c.mask_token_id if c.mask_token_id is not None else 0)
         self.register_buffer("block_ids", ids.to(w.device), persistent=False)
         self.register_buffer("block_mask", torch.ones(c.block_size, c.block_size, dtype=torch.bool, device=w.device),
@@ -70,7 +71,7 @@ class DraftPass(nn.Module):
         d = self.drafter
         ctx = d.context(ctx_feats)[None]  # [1, m, H]
         rows = ctx_start + torch.arange(ctx.shape[1], device=ctx.device)  # [m]
-        cos, sin = rope_tables(self.inv_freq, rows, ctx.dtype)  # [1, m, D]
+        cos, sin = rope_tables(self.inv_freq, rows, ctx.dtype, self.rope_scaling)  # [1, m, D]
         for i in range(len(d.layers)):
             self.cache.write(i, rows, *d.context_kv(i, ctx, cos, sin))  # k, v [1, nkv, m, D]
 
@@ -79,7 +80,7 @@ class DraftPass(nn.Module):
         rows before it -> draft logits [B-1, V]."""
         h = self.block_embeds(bonus)  # [1, B, H]
         rows = block_start + torch.arange(self.block_size, device=h.device)  # [B]
-        cos, sin = rope_tables(self.inv_freq, rows, h.dtype)  # [1, B, D]
+        cos, sin = rope_tables(self.inv_freq, rows, h.dtype, self.rope_scaling)  # [1, B, D]
         scale = self.drafter.config.head_dim**-0.5
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # the block's rows join the cache

@@ -30,8 +30,8 @@ from glance_rt.hf.arch import extend_inputs
 from glance_rt.models.drafter import (
     build_target_layer_ids,
     init_drafter,
-    inv_freq,
     read_drafter,
+    rope,
     rope_tables,
     save_drafter,
 )
@@ -63,7 +63,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     gamma: float = 7.0  # loss weight of depth k: exp(-(k-1)/gamma)
     bf16: bool = True  # bf16 autocast for the drafter pass and a bf16 lm_head copy (CPU AVX512-BF16 / GPU)
-    draft_vocab: int | None = 8192  # the N most frequent response tokens form the draft vocabulary; None: all
+    draft_vocab: int | None = None  # glance-only: the N most frequent response tokens form the draft vocabulary
+    mask_token_id: int | None = None  # None: `default_mask_token_id(target)`
+    learned_mask: bool = False  # glance-only: a learned mask embedding instead of a mask token's
+    init_from: str | None = None  # a drafter folder to start from (its matching tensors), instead of a random init
     seed: int = 0
     save_every: int = 100
     eval_every: int = 0  # 0: evaluate at the end only
@@ -78,7 +81,7 @@ class TrainConfig:
     def identity(self) -> dict:
         """What must match for --resume to continue a run in the same folder."""
         keys = ("prompts", "images", "num_layers", "block_size", "target_layer_ids", "response_tokens",
-                "max_seq_len", "seed", "limit", "per_kind", "draft_vocab")
+                "max_seq_len", "seed", "limit", "per_kind", "draft_vocab", "mask_token_id", "learned_mask", "init_from")
         return {k: getattr(self, k) for k in keys}
 
 
@@ -319,7 +322,8 @@ def block_forward(drafter, embed: Tensor, features: Tensor, ids: Tensor, anchors
     ctx_vis = torch.arange(length)[None, :] < anchors[q_block][:, None]  # [KB, L]
     blk_vis = q_block[:, None] == q_block[None, :]  # [KB, KB]
     mask = torch.cat([ctx_vis, blk_vis], 1)[None, None]  # [1, 1, KB, L+KB]
-    cos, sin = rope_tables(inv_freq(c), torch.cat([torch.arange(length), pos.flatten()]), w.dtype)
+    inv_freq, scaling = rope(c)
+    cos, sin = rope_tables(inv_freq, torch.cat([torch.arange(length), pos.flatten()]), w.dtype, scaling)
     groups = c.num_attention_heads // c.num_key_value_heads
 
     def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # keys: the whole context, then the blocks
@@ -365,6 +369,24 @@ def choose_draft_vocab(out: Path, n_parts: int, size: int | None, vocab_size: in
     counts = torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)  # [V]
     order = torch.sort(-counts, stable=True).indices  # most frequent first, ties by the smaller id
     return order[:size].sort().values
+
+
+def start_from(drafter, path) -> None:
+    """Copy the weights of drafter folder `path` into `drafter` (same architecture and target layers);
+    a tensor the other drafter lacks (a mask embedding, a draft vocabulary) keeps its new value."""
+    src = read_drafter(path)
+    a, b = src.config, drafter.config
+    keys = ("hidden_size", "vocab_size", "target_layer_ids", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "intermediate_size", "rope_theta", "rope_scaling")
+    differ = [k for k in keys if getattr(a, k) != getattr(b, k)]
+    if differ:
+        raise GlanceError(f"--init-from {path}: its {', '.join(differ)} differ from this run's; "
+                          "pick a drafter of the same shape and target layers")
+    own = drafter.state_dict()
+    with torch.no_grad():
+        for k, v in src.state_dict().items():
+            if k in own and k != "draft_vocab":
+                own[k].copy_(v)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -435,9 +457,12 @@ def stage_train(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world
         raise GlanceError("no training sequences: every response was shorter than 2 tokens or all prompts are held out")
     vocab = choose_draft_vocab(out, n_parts, cfg.draft_vocab, target.vocab_size)
     drafter = init_drafter(target, cfg.num_layers, cfg.block_size, seed=cfg.seed, target_layer_ids=layer_ids,
-                           draft_vocab_size=None if vocab is None else len(vocab))
+                           draft_vocab_size=None if vocab is None else len(vocab), mask_token_id=cfg.mask_token_id,
+                           learned_mask=cfg.learned_mask)
     if vocab is not None:
         drafter.draft_vocab.copy_(vocab)
+    if cfg.init_from:
+        start_from(drafter, cfg.init_from)
     drafter = drafter.float().train().requires_grad_(True)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     start = 0
