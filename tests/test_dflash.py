@@ -65,7 +65,8 @@ def test_default_folder_is_what_dflash_loads(tmp_path, arch):
     assert cfg["block_size"] == cfg["dflash_config"]["block_size"] == 5
     assert cfg["dflash_config"]["mask_token_id"] == default_mask_token_id(target)
     assert isinstance(cfg["dflash_config"]["mask_token_id"], int)
-    assert cfg["dflash_config"]["target_layer_ids"] == list(build_target_layer_ids(target.text_config.num_hidden_layers, 2))
+    n_target = target.text_config.num_hidden_layers
+    assert cfg["dflash_config"]["target_layer_ids"] == list(build_target_layer_ids(n_target, 2))
     assert cfg["glance"]["learned_mask"] is False and cfg["glance"]["draft_vocab_size"] is None
     ref = load_reference(tmp_path / "d")  # strict: exactly DFlash's tensor names and shapes
     assert ref.mask_token_id == drafter.config.mask_token_id and ref.block_size == 5
