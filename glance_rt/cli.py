@@ -270,11 +270,13 @@ def train(target_path, prompts, images, out, num_layers, block_size, target_laye
                           bf16=not no_bf16, draft_vocab=draft_vocab or None, mask_token_id=mask_token_id,
                           learned_mask=learned_mask, init_from=init_from, resume=resume)
         target = load_target(target_path)
-        _, result = run_training(target, cfg)
+        drafter, result = run_training(target, cfg)
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     if result is not None:
-        click.echo(f"drafter: {out}/drafter")
+        problems = drafter.config.dflash_problems()
+        click.echo(f"drafter: {out}/drafter (DFlash-compatible: "
+                   + ("yes)" if not problems else "no, glance-rt only: " + "; ".join(problems) + ")"))
         click.echo(f"tau (held-out, tree budget {result['tree_budget']}, lookup {result['lookup']}): "
                    f"overall {result['overall']['tau']:.2f}; "
                    + ", ".join(f"{k} {v['tau']:.2f}" for k, v in result["kinds"].items()))

@@ -12,6 +12,7 @@ import torch
 
 import glance_rt
 from glance_rt import GlanceError
+from glance_rt.models.drafter import read_drafter
 from glance_rt.round.draft import DraftPass
 from glance_rt.tools.train import TrainConfig, block_forward, capture_features, choose_draft_vocab, train
 from tests.conftest import extend_inputs, hf_greedy, tiny_target
@@ -240,3 +241,23 @@ def test_draft_vocab_is_the_most_frequent_response_tokens(tmp_path):
     assert choose_draft_vocab(tmp_path, 1, 5, 12).tolist() == [2, 3, 5, 7, 9]
     assert choose_draft_vocab(tmp_path, 1, 7, 12).tolist() == [0, 1, 2, 3, 5, 7, 9]  # then unseen ids
     assert choose_draft_vocab(tmp_path, 1, 12, 12) is None and choose_draft_vocab(tmp_path, 1, None, 12) is None
+
+
+def test_init_from_continues_a_glance_only_drafter_in_dflash_form(tmp_path):
+    """--init-from copies every tensor the two drafters share; a learned mask and a draft vocabulary the
+    new run does not use are dropped (how a glance-only drafter is continued into DFlash form)."""
+    from glance_rt.models.drafter import check_dflash
+    from glance_rt.tools.train import start_from
+    from tests.conftest import vocab_drafter
+
+    target, _, _ = tiny_target("llama")
+    vocab_drafter(target, 64, seed=3, learned_mask=True).save(tmp_path / "src")
+    src = read_drafter(tmp_path / "src")
+    dst = glance_rt.init_drafter(target, seed=9).float()
+    start_from(dst, tmp_path / "src")
+    assert set(dst.state_dict()) == set(src.state_dict()) - {"mask_embedding", "draft_vocab"}
+    for k, v in dst.state_dict().items():
+        assert torch.equal(v, src.state_dict()[k]), k
+    check_dflash(dst)
+    with pytest.raises(GlanceError, match="num_hidden_layers"):
+        start_from(glance_rt.init_drafter(target, num_layers=2), tmp_path / "src")
