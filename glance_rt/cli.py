@@ -248,13 +248,15 @@ def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> 
               help="Target token whose embedding masks the block (default: one no text uses; docs/training.md).")
 @click.option("--learned-mask", is_flag=True,
               help="Glance-only: learn the mask embedding instead (not DFlash-compatible).")
+@click.option("--store", type=click.Path(), default=None,
+              help="Response store folder: answers found there are reused, new ones are added (docs/training.md).")
 @click.option("--init-from", type=click.Path(), default=None,
               help="Start from this drafter folder's weights (same shape and target layers) instead of a random init.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its last complete stage/checkpoint.")
 def train(target_path, prompts, images, out, num_layers, block_size, target_layer_ids, response_tokens,
           response_batch, steps, batch_size, blocks_per_seq, lr, gamma, seed, save_every, eval_every,
           eval_per_kind, eval_budget, eval_lookup, limit, per_kind, no_bf16, draft_vocab, mask_token_id,
-          learned_mask, init_from, resume):
+          learned_mask, store, init_from, resume):
     """Train a GLANCE drafter for a target by self-distillation (resumable; torchrun for data parallel)."""
     try:
         from glance_rt.hf.target import load_target
@@ -268,7 +270,7 @@ def train(target_path, prompts, images, out, num_layers, block_size, target_laye
                           seed=seed, save_every=save_every, eval_every=eval_every, eval_per_kind=eval_per_kind,
                           eval_budget=eval_budget, eval_lookup=eval_lookup, limit=limit, per_kind=per_kind,
                           bf16=not no_bf16, draft_vocab=draft_vocab or None, mask_token_id=mask_token_id,
-                          learned_mask=learned_mask, init_from=init_from, resume=resume)
+                          learned_mask=learned_mask, store=store, init_from=init_from, resume=resume)
         target = load_target(target_path)
         drafter, result = run_training(target, cfg)
     except GlanceError as e:

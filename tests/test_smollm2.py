@@ -67,6 +67,26 @@ def test_shipped_drafter_loads_and_is_lossless(cases):
         assert res.stats.draft_passes == res.stats.rounds
 
 
+def test_shipped_drafter_is_dflash_compatible(cases):
+    """The shipped drafter follows the DFlash contract: DFlash's reference (the stand-in in
+    tests/dflash_reference.py) loads it strictly and commits the same tokens per round as glance-rt's
+    chain decoder."""
+    from glance_rt.hf.embedded import DRAFTER_DIR
+    from glance_rt.models.drafter import check_dflash
+    from tests.dflash_reference import load_reference, reference_chain
+
+    target, items = cases
+    check_dflash(DRAFTER_DIR)
+    ref = load_reference(DRAFTER_DIR)
+    dec = glance_rt.Decoder(target, glance_rt.load_drafter(None, target), chain=True, prepack=False)
+    for inputs, want in items:
+        tokens, lengths = reference_chain(ref, target.hf_model, inputs["input_ids"], NEW)
+        res = dec.generate(max_new_tokens=NEW, **inputs)
+        assert res.token_ids == want and tokens[:len(want)] == want
+        got = res.stats.accepted_lengths
+        assert got[:-1] == lengths[:len(got) - 1] and max(got) > 2
+
+
 def test_shipped_drafter_compiled_and_aoti_engine_match_hf(cases, tmp_path):
     """The compiled backend and an AOTInductor engine of the default target + shipped drafter give
     HF's greedy tokens (the eager backend is covered above)."""

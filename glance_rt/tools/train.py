@@ -67,6 +67,7 @@ class TrainConfig:
     mask_token_id: int | None = None  # None: `default_mask_token_id(target)`
     learned_mask: bool = False  # glance-only: a learned mask embedding instead of a mask token's
     init_from: str | None = None  # a drafter folder to start from (its matching tensors), instead of a random init
+    store: str | None = None  # a response store folder (glance_rt.tools.store): responses read from and added to it
     seed: int = 0
     save_every: int = 100
     eval_every: int = 0  # 0: evaluate at the end only
@@ -197,18 +198,41 @@ def _generate_batch(target, rows: list[dict], cfg: TrainConfig) -> list[dict]:
 
 
 def stage_responses(target, rows: list[dict], cfg: TrainConfig, out: Path, rank: int, world: int) -> None:
+    """responses/part-*.jsonl; with a response store, its answers are reused and new ones added to it."""
     parts = _parts(rows)
     done = sum((out / "responses" / f"part-{i:05d}.jsonl").exists() for i in range(len(parts)))
+    store = None
+    if cfg.store:
+        from glance_rt.tools.store import ResponseStore, store_key
+
+        store = ResponseStore(cfg.store, store_key(target, cfg.response_tokens))
     bar = _bar(len(rows), "responses", rank, initial=min(done * PART_SIZE, len(rows)))
     for i in range(rank, len(parts), world):
         path = out / "responses" / f"part-{i:05d}.jsonl"
         if path.exists():
             continue
-        result = _generate_batch(target, parts[i], cfg)
+        if store is None:
+            result = _generate_batch(target, parts[i], cfg)
+        else:
+            result = _stored_batch(store, parts[i], cfg, target)
         atomic_write(path, lambda p, r=result: p.write_text("".join(json.dumps(x) + "\n" for x in r)))
         bar.update(len(parts[i]) * world)
     bar.close()
     _barrier(world)
+
+
+def _stored_batch(store, rows: list[dict], cfg: TrainConfig, target) -> list[dict]:
+    """`_generate_batch` through the store: only prompts it lacks are generated, and then added to it."""
+    from glance_rt.tools.store import Stored, prompt_key
+
+    keys = [prompt_key(r, cfg.images) for r in rows]
+    missing = [r for r, k in zip(rows, keys, strict=True) if store.get(k) is None]
+    if missing:
+        made = _generate_batch(target, missing, cfg)
+        store.add([(prompt_key(r, cfg.images), Stored(r["prompt_ids"], r["response_ids"], r["kind"],
+                                                      r.get("source", ""), r["split"])) for r in made])
+    return [{**r, "prompt_ids": store.get(k).prompt_ids, "response_ids": store.get(k).response_ids}
+            for r, k in zip(rows, keys, strict=True)]
 
 
 # ----------------------------------------------------------------------------- 2. features
