@@ -19,7 +19,7 @@ def responses(out):
 def run_responses(target, cfg, name, tmp_path):
     out = tmp_path / name
     out.mkdir()
-    T.stage_responses(target, T.training_rows(T.load_rows(cfg), None), cfg, out, 0, 1)
+    T.stage_responses(target, T.training_rows(T.load_rows(cfg), None), cfg, out, 0, 1, T.open_store(target, cfg))
     return responses(out)
 
 

@@ -197,15 +197,21 @@ def _generate_batch(target, rows: list[dict], cfg: TrainConfig) -> list[dict]:
     return out
 
 
-def stage_responses(target, rows: list[dict], cfg: TrainConfig, out: Path, rank: int, world: int) -> None:
-    """responses/part-*.jsonl; with a response store, its answers are reused and new ones added to it."""
+def open_store(target, cfg: TrainConfig):
+    """The run's response store, or None (call it before `packed_linears`: the key hashes the plain weights)."""
+    if not cfg.store:
+        return None
+    from glance_rt.tools.store import ResponseStore, store_key
+
+    return ResponseStore(cfg.store, store_key(target, cfg.response_tokens))
+
+
+def stage_responses(target, rows: list[dict], cfg: TrainConfig, out: Path, rank: int, world: int,
+                    store=None) -> None:
+    """responses/part-*.jsonl; with a response store (`open_store`), its answers are reused and new ones
+    added to it."""
     parts = _parts(rows)
     done = sum((out / "responses" / f"part-{i:05d}.jsonl").exists() for i in range(len(parts)))
-    store = None
-    if cfg.store:
-        from glance_rt.tools.store import ResponseStore, store_key
-
-        store = ResponseStore(cfg.store, store_key(target, cfg.response_tokens))
     bar = _bar(len(rows), "responses", rank, initial=min(done * PART_SIZE, len(rows)))
     for i in range(rank, len(parts), world):
         path = out / "responses" / f"part-{i:05d}.jsonl"
@@ -603,8 +609,9 @@ def train(target, cfg: TrainConfig):
     out = prepare_out(cfg, target, rank)
     _barrier(world)
     n_parts = len(_parts(train_rows))
+    store = open_store(target, cfg)
     with packed_linears(target.hf_model, PACK_ROWS):  # stages 1-2 run the HF model: oneDNN kernels, modules put back
-        stage_responses(target, train_rows, cfg, out, rank, world)
+        stage_responses(target, train_rows, cfg, out, rank, world, store)
         stage_features(target, cfg, out, layer_ids, rank, world, n_parts)
 
     def evaluate(drafter, per_kind=cfg.eval_per_kind, quiet=False):
