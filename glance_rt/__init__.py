@@ -3,7 +3,7 @@
 Importing the package is light: torch, transformers and friends load on first use.
 """
 
-from glance_rt.errors import GlanceError
+from glance_rt.errors import GlanceError, GlanceWarning
 
 __version__ = "0.1.0"
 
@@ -21,7 +21,7 @@ _LAZY = {
     "Sampling": "glance_rt.round.sample",
 }
 
-__all__ = ["GlanceError", "__version__", *_LAZY]
+__all__ = ["GlanceError", "GlanceWarning", "__version__", *_LAZY]
 
 
 def __getattr__(name: str):

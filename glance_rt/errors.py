@@ -10,6 +10,10 @@ class GlanceError(ValueError):
     """
 
 
+class GlanceWarning(UserWarning):
+    """Something works but may not be what the user wants (an engine tuned on another CPU model)."""
+
+
 def require(extra: str, *modules: str) -> None:
     """Refuse, with the install command, a feature whose optional dependencies are missing."""
     import importlib.util

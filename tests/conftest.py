@@ -1,5 +1,6 @@
 import functools
 import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -8,6 +9,8 @@ import torch
 from glance_rt.hf.arch import extend_inputs  # noqa: F401  (re-exported for tests)
 
 torch.set_num_threads(2)
+# kernel timings (glance_rt.models.kernels) go to a cache of this test session, not the user's
+os.environ.setdefault("GLANCE_RT_CACHE", tempfile.mkdtemp(prefix="glance-rt-test-cache-"))
 if not torch.cuda.is_available():  # Triton kernels run on CPU tensors through its interpreter (read at triton import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

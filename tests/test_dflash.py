@@ -99,7 +99,7 @@ def fit_drafter(arch: str, block_size: int, steps: int, **overrides):
     opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
     anchors = torch.arange(p, len(ids) - 1)
     for _ in range(steps):
-        loss, weight, _ = block_loss(drafter, embed, head, seq, anchors, gamma=7.0)
+        loss, weight, _ = block_loss(drafter, embed, head, [(seq, anchors)], gamma=7.0)
         opt.zero_grad()
         (loss / weight).backward()
         opt.step()

@@ -1,5 +1,5 @@
-"""Prepacked linears (glance_rt.models.linear): the same product as nn.Linear, on by default only where
-they apply (eager, fp32, CPU with oneDNN), never touching the HF modules."""
+"""Prepacked linears (glance_rt.models.linear): the same product as nn.Linear, used only where they
+apply (eager, fp32, CPU with oneDNN), never touching the HF modules."""
 
 import pytest
 import torch
@@ -36,11 +36,12 @@ def test_pack_module_replaces_every_linear_in_a_copy_only():
 def test_decoder_prepacks_only_where_it_applies():
     target, _, _ = tiny_target("llama")
     d = glance_rt.init_drafter(target, block_size=4)
-    dec = glance_rt.Decoder(target, d, tree_budget=6)
+    dec = glance_rt.Decoder(target, d, tree_budget=6, prepack=True)
     assert dec.prepack and isinstance(dec.verifier.layers[0].self_attn.q_proj, PackedLinear)
     assert isinstance(dec.drafter.head, PackedLinear)
     assert isinstance(target.parts.text_model.layers[0].self_attn.q_proj, nn.Linear)  # HF modules untouched
     assert not glance_rt.Decoder(target, d, tree_budget=6, prepack=False).prepack
+    assert glance_rt.Decoder(target, d, tree_budget=6).prepack  # "auto": kernels chosen per layer
     assert glance_rt.Decoder(target, d, tree_budget=6, backend="compile").prepack
     assert not can_pack(torch.zeros(1, dtype=torch.bfloat16))  # fp32 only (bf16 targets keep nn.Linear)
     bf16 = type("T", (), {"parts": type("P", (), {"lm_head": nn.Linear(2, 2).bfloat16()})})()

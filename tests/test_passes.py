@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import glance_rt
+from glance_rt.models.kernels import KernelTuner
 from glance_rt.models.linear import can_pack
 from glance_rt.round.verify import GRAPHS, Backend, static_passes
 from tests.conftest import OracleDrafter, hf_greedy, tiny_target
@@ -98,17 +99,24 @@ def unique_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-@pytest.mark.parametrize("arch,prepack", [("llama", None), ("llama", False), ("qwen2_5_vl", None)])
-def test_compile_backend_is_lossless_and_never_recompiles(arch, prepack):
+def mixed_kernels(tmp_path) -> KernelTuner:
+    """A tuner whose (fake, deterministic) timings pick oneDNN for some shapes at some row counts only."""
+    return KernelTuner(lambda o, i, r, dt: {"mkl": 1.0, "onednn": 0.5 if (o + r) % 2 else 2.0},
+                       cache=tmp_path / "kernels.json")
+
+
+@pytest.mark.parametrize("arch,prepack", [("llama", True), ("llama", False), ("llama", "mixed"),
+                                          ("qwen2_5_vl", "auto")])
+def test_compile_backend_is_lossless_and_never_recompiles(arch, prepack, tmp_path):
     """After one warm-up generation, generations with other prompts (other lengths, so other
-    drafter-context chunk counts and acceptance patterns) add no compiled graph. With prepacked
-    weights (the fp32 CPU default) and with the plain ones."""
+    drafter-context chunk counts and acceptance patterns) add no compiled graph. With oneDNN-prepacked
+    weights, plain ones, a mix chosen per layer and row class, and the machine's own choice."""
     torch._dynamo.reset()
     target, model, processor = tiny_target(arch)
     drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=3)
     dec = glance_rt.Decoder(target, drafter, tree_budget=8, max_length=256, backend="compile", chunk=8,
-                            prepack=prepack)
-    assert dec.prepack == (prepack is None and can_pack(target.parts.lm_head.weight))
+                            prepack=mixed_kernels(tmp_path) if prepack == "mixed" else prepack)
+    assert dec.prepack == (prepack is not False and can_pack(target.parts.lm_head.weight))
     first = make_inputs(arch, processor, n_images=1 if arch in VLM_ARCHS else 0)
     before = unique_graphs()
     assert dec.generate(max_new_tokens=NEW, **first).token_ids == hf_greedy(model, first, NEW)

@@ -71,13 +71,13 @@ def packed(linear: nn.Module, rows: int) -> nn.Module:
     return linear
 
 
-def _swap_linears(module: nn.Module, rows: int) -> list[tuple[nn.Module, str, nn.Module]]:
-    """Replace every packable nn.Linear inside `module` (in place) by its PackedLinear; returns
-    (parent, name, original) for each replacement."""
+def swap_linears(module: nn.Module, make) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Replace every nn.Linear inside `module` (in place) by `make(linear)` where that is another
+    module; returns (parent, name, original) for each replacement."""
     swaps = []
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and (new := packed(child, rows)) is not child:
+            if isinstance(child, nn.Linear) and (new := make(child)) is not child:
                 setattr(parent, name, new)
                 swaps.append((parent, name, child))
     return swaps
@@ -85,18 +85,23 @@ def _swap_linears(module: nn.Module, rows: int) -> list[tuple[nn.Module, str, nn
 
 def pack_module(module: nn.Module, rows: int) -> nn.Module:
     """Replace every nn.Linear inside `module` (in place) by its PackedLinear; returns `module`."""
-    _swap_linears(module, rows)
+    swap_linears(module, lambda lin: packed(lin, rows))
     return module
 
 
 @contextmanager
-def packed_linears(module: nn.Module, rows: int):
-    """Run `module` with prepacked linears for the duration of the block; the original nn.Linear
-    modules are put back on exit, even on error (training's response and feature stages pack the
-    HF model this way: same products, the oneDNN kernels)."""
-    swaps = _swap_linears(module, rows)
+def swapped_linears(module: nn.Module, make):
+    """Run `module` with every nn.Linear replaced by `make(linear)` for the duration of the block; the
+    original modules are put back on exit, even on error (training's response and feature stages run
+    the HF model this way, with the kernels chosen for this CPU)."""
+    swaps = swap_linears(module, make)
     try:
         yield module
     finally:
         for parent, name, child in reversed(swaps):
             setattr(parent, name, child)
+
+
+def packed_linears(module: nn.Module, rows: int):
+    """`swapped_linears` with oneDNN-prepacked linears laid out for `rows` rows: same products."""
+    return swapped_linears(module, lambda lin: packed(lin, rows))

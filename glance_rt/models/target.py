@@ -2,17 +2,17 @@
 
 Projections, norms, MLPs and the rotary table are the HF modules themselves (shared, not copied),
 so numerics match the HF forward; what is ours is the forward: explicit positions (1-D or M-RoPE),
-a static KV cache written by index, and attention through `glance::tree_attention`. With
-`pack_rows` > 0 (fp32 on a CPU, eager or compiled) the linear layers run through oneDNN-prepacked copies of
-their weights instead (`glance_rt.models.linear`).
+a static KV cache written by index, and attention through `glance::tree_attention`. With a
+`KernelPlan` (fp32 on a CPU, eager or compiled) each linear layer runs the kernel the plan chose for
+its shape and row count: torch's own, or oneDNN's prepacked copy (`glance_rt.models.kernels`).
 """
 
 import torch
 from torch import Tensor, nn
 
 from glance_rt.models.attention import tree_attention
+from glance_rt.models.kernels import KernelPlan, with_plan
 from glance_rt.models.kv_cache import KVCache
-from glance_rt.models.linear import packed
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -26,10 +26,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, hf_attn: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, pack_rows: int = 0):
+    def __init__(self, hf_attn: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, plan: KernelPlan | None):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            packed(getattr(hf_attn, n), pack_rows) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            with_plan(plan, getattr(hf_attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
         self.q_norm = getattr(hf_attn, "q_norm", None)  # Qwen3: RMSNorm over head_dim
         self.k_norm = getattr(hf_attn, "k_norm", None)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
@@ -51,12 +51,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """The HF gated MLP, `down(act(gate(x)) * up(x))`, over its own (or prepacked) projections."""
+    """The HF gated MLP, `down(act(gate(x)) * up(x))`, over its own projections, each run by the plan's kernel."""
 
-    def __init__(self, hf_mlp: nn.Module, pack_rows: int):
+    def __init__(self, hf_mlp: nn.Module, plan: KernelPlan):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = (
-            packed(getattr(hf_mlp, n), pack_rows) for n in ("gate_proj", "up_proj", "down_proj"))
+            with_plan(plan, getattr(hf_mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
         self.act_fn = hf_mlp.act_fn
 
     def forward(self, x: Tensor) -> Tensor:
@@ -64,14 +64,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, hf_layer: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, pack_rows: int = 0):
+    def __init__(self, hf_layer: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, plan: KernelPlan | None):
         super().__init__()
         self.input_layernorm = hf_layer.input_layernorm
         self.post_attention_layernorm = hf_layer.post_attention_layernorm
-        self.self_attn = Attention(hf_layer.self_attn, n_heads, n_kv_heads, head_dim, pack_rows)
+        self.self_attn = Attention(hf_layer.self_attn, n_heads, n_kv_heads, head_dim, plan)
         mlp = hf_layer.mlp
         gated = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-        self.mlp = MLP(mlp, pack_rows) if pack_rows and gated else mlp
+        self.mlp = MLP(mlp, plan) if plan is not None and gated else mlp
 
     def forward(self, h, cos, sin, cache, layer, rows, kv_len, tree_mask):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, rows, kv_len, tree_mask)
@@ -86,21 +86,21 @@ class TargetDecoder(nn.Module):
     (`start + T` in eager passes, `max_len` in static-shape ones). It returns logits for the rows
     asked for and the concatenated hidden states of `feature_layers`: the outputs of those decoder
     layers, indexed like HF's `hidden_states[i + 1]` (so the last layer's is taken after the final
-    norm). `pack_rows` > 0: linear layers through oneDNN-prepacked weights laid out for that many
-    rows (0: the HF modules as they are).
+    norm). `plan`: the kernel of each linear layer (`glance_rt.models.kernels.KernelPlan`; None: the
+    HF modules as they are).
     """
 
-    def __init__(self, parts, max_len: int, feature_layers: tuple[int, ...] = (), pack_rows: int = 0):
+    def __init__(self, parts, max_len: int, feature_layers: tuple[int, ...] = (), plan: KernelPlan | None = None):
         super().__init__()
         cfg = parts.text_config
         tm = parts.text_model
         n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
         self.embed_tokens = tm.embed_tokens
-        self.layers = nn.ModuleList(Block(layer, n_heads, n_kv, head_dim, pack_rows) for layer in tm.layers)
+        self.layers = nn.ModuleList(Block(layer, n_heads, n_kv, head_dim, plan) for layer in tm.layers)
         self.norm = tm.norm
         self.rotary_emb = tm.rotary_emb
-        self.lm_head = packed(parts.lm_head, pack_rows)
+        self.lm_head = with_plan(plan, parts.lm_head)
         self.feature_layers = tuple(feature_layers)
         self.mrope = bool(parts.mrope)  # positions are [3, 1, T] (M-RoPE), else [1, T]
         w = self.embed_tokens.weight

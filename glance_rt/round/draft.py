@@ -17,8 +17,9 @@ from torch import Tensor, nn
 
 from glance_rt.models.attention import tree_attention
 from glance_rt.models.drafter import GlanceDrafter, rope, rope_tables
+from glance_rt.models.kernels import KernelPlan, with_plan
 from glance_rt.models.kv_cache import KVCache
-from glance_rt.models.linear import pack_module, packed
+from glance_rt.models.linear import swap_linears
 
 
 class DraftPass(nn.Module):
@@ -28,11 +29,12 @@ class DraftPass(nn.Module):
     has a draft vocabulary, else token j). Requires `ctx_start + m == block_start`."""
 
     def __init__(self, drafter: GlanceDrafter, embed_tokens: nn.Module, lm_head: nn.Module, max_len: int,
-                 pack_rows: int = 0):
+                 plan: KernelPlan | None = None):
         super().__init__()
         c = drafter.config
-        if pack_rows:  # a copy whose linear layers run through oneDNN-prepacked weights (glance_rt.models.linear)
-            drafter = pack_module(copy.deepcopy(drafter), pack_rows)
+        if plan is not None:  # a copy whose linear layers run the plan's kernels (glance_rt.models.kernels)
+            drafter = copy.deepcopy(drafter)
+            swap_linears(drafter, plan.linear)
         self.drafter, self.embed_tokens, self.lm_head = drafter, embed_tokens, lm_head
         self.block_size = c.block_size
         self.target_layer_ids = c.target_layer_ids
@@ -52,7 +54,7 @@ class DraftPass(nn.Module):
             self.sub_head.weight.copy_(lm_head.weight.detach()[drafter.draft_vocab])  # [Vd, H]
             if bias is not None:
                 self.sub_head.bias.copy_(bias.detach()[drafter.draft_vocab])
-        self.head = packed(lm_head if self.sub_head is None else self.sub_head, pack_rows)
+        self.head = with_plan(plan, lm_head if self.sub_head is None else self.sub_head)
 
     @property
     def draft_vocab(self) -> Tensor | None:

@@ -15,6 +15,7 @@ from torch import Tensor
 from glance_rt.engines.engine import load_engine
 from glance_rt.errors import GlanceError
 from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_MAX_LENGTH, DEFAULT_TREE_BUDGET, Method
+from glance_rt.models.kernels import KernelTuner, kernel_summary
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
 from glance_rt.round.commit import apply_stops, committed_tokens
@@ -96,14 +97,17 @@ class Decoder:
     or a `Backend` (an engine's: `Decoder.from_engine(DIR)`). Static passes attend over all
     `max_length` cache rows, so size it to the job. `warmup()` compiles every graph up front.
 
-    `prepack` (default: on for fp32 weights on a CPU with oneDNN) runs the target's and the
-    drafter's linear layers through oneDNN-prepacked copies of their weights, eager and compiled
-    alike (`glance_rt.models.linear`); engines run the weights they were built from.
+    `prepack` chooses the kernel of each linear layer (fp32 weights on a CPU with oneDNN, eager and
+    compiled alike; engines run the weights they were built from): "auto" (default) times torch's
+    own linear against oneDNN's prepacked copy for each weight shape at the round's row counts and
+    keeps the faster (`glance_rt.models.kernels`: timings cached per machine, paid once); True:
+    oneDNN everywhere; False: torch's own everywhere; or a `KernelTuner` (its timer and cache).
+    `kernel_choices` says what was chosen.
     """
 
     def __init__(self, target, drafter=None, tree_budget=DEFAULT_TREE_BUDGET, chain: bool = False,
                  max_length: int = DEFAULT_MAX_LENGTH, backend: "str | Backend" = "eager", chunk: int = 64,
-                 lookup: int | None = None, prepack: bool | None = None):
+                 lookup: int | None = None, prepack: "bool | str | KernelTuner" = "auto"):
         self.policy = tree_budget if isinstance(tree_budget, AdaptiveBudget) else None
         if self.policy is not None:
             if chain:
@@ -121,17 +125,15 @@ class Decoder:
             raise GlanceError(f"lookup={lookup}: prompt lookup takes an n-gram size >= 1 and grafts onto a "
                               "drafter's tree (not a chain or autoregression); use lookup=0 there")
         self.lookup = lookup
-        packable = self.backend.prepack and can_pack(target.parts.lm_head.weight)
-        if prepack and not packable:
-            raise GlanceError("prepack=True needs fp32 weights on a CPU with oneDNN (mkldnn) and the eager or "
-                              "compile backend; leave it unset to prepack wherever it applies")
-        self.prepack = packable if prepack is None else bool(prepack)
+        kernels = self._kernels(prepack, self.backend.prepack and can_pack(target.parts.lm_head.weight))
+        self.prepack = kernels is not None  # the kernels are chosen per layer (False: the plain weights)
         self.target, self.chain, self.max_length = target, chain, max_length
         if drafter is None:
             self.policy = None
         block = drafter.block_size if drafter is not None else 1
         self.tree_budget = 0 if drafter is None else min(tree_budget, block - 1) if chain else tree_budget
-        self.verifier, self.drafter = round_modules(target, drafter, max_length, self.tree_budget + 1, self.prepack)
+        verify_rows = tuple(b + 1 for b in self.budgets)
+        self.verifier, self.drafter = round_modules(target, drafter, max_length, verify_rows, kernels)
         vocab = getattr(self.drafter, "draft_vocab", None)  # draft-logit column -> token id, or None
         self.draft_vocab = None if vocab is None else vocab.cpu().numpy()
         self.mrope = self.verifier.mrope
@@ -162,7 +164,31 @@ class Decoder:
         plain = method.backend == "plain"  # eager with the HF modules' own linear layers
         return cls(target, drafter, tree_budget=policy if method.kind == "adaptive" else method.tree_budget,
                    chain=method.kind == "chain", lookup=method.lookup, max_length=max_length or DEFAULT_MAX_LENGTH,
-                   backend="eager" if plain else method.backend, prepack=False if plain else None)
+                   backend="eager" if plain else method.backend, prepack=False if plain else "auto")
+
+    @staticmethod
+    def _kernels(prepack, packable: bool):
+        """`round_modules`' kernels argument for a `prepack` setting (None: the plain weights)."""
+        if prepack is False:
+            return None
+        if prepack is True:
+            if not packable:
+                raise GlanceError("prepack=True needs fp32 weights on a CPU with oneDNN (mkldnn) and the eager or "
+                                  "compile backend; use prepack='auto' to choose kernels wherever that applies")
+            return True
+        if prepack == "auto" or isinstance(prepack, KernelTuner):
+            return (KernelTuner() if prepack == "auto" else prepack) if packable else None
+        raise GlanceError(f"prepack={prepack!r}: use 'auto' (measure the kernels), True (oneDNN) or False (plain)")
+
+    @property
+    def kernel_choices(self) -> dict:
+        """{"verify": {"OUTxIN": {rows: kernel}}, "draft": {...}}: the kernel each linear layer's shape
+        runs at each row class ("mkl": torch's own linear, "onednn": prepacked); {} on plain weights."""
+        out = {}
+        for name, module in (("verify", self.verifier), ("draft", self.drafter)):
+            if module is not None and self.prepack:
+                out[name] = kernel_summary(module)
+        return out
 
     @property
     def method_name(self) -> str:

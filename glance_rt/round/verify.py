@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from glance_rt.errors import GlanceError
 from glance_rt.models.drafter import GlanceDrafter, check_compatible
+from glance_rt.models.kernels import PREFILL_ROWS, KernelPlan
 from glance_rt.models.target import TargetDecoder
 from glance_rt.round.commit import accept, accept_path, compact
 from glance_rt.round.draft import DraftPass
@@ -237,25 +238,35 @@ def example_inputs(graphs, shapes, budgets, chain: bool) -> dict:
 # ----------------------------------------------------------------------------- building the passes
 
 
-def round_modules(target, drafter, max_len: int, rows: int, prepack: bool):
+def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], kernels):
     """The modules a round runs, over `target`'s weights: (TargetDecoder with a `max_len`-row cache,
     the draft pass or None). A `GlanceDrafter` becomes a `DraftPass` (shared embeddings and lm_head);
-    other drafter objects (the eager protocol) are used as they are. `prepack`: linear layers through
-    oneDNN-prepacked weights laid out for `rows` verify rows (eager and compile); engines trace the
-    plain weights."""
+    other drafter objects (the eager protocol) are used as they are. `kernels`: None (the plain
+    weights: engines trace these), True (oneDNN-prepacked everywhere) or a `KernelTuner` (each
+    linear's kernel measured at the verify rows `verify_rows`, the draft block and prefill)."""
+    plans = kernel_plans(kernels, verify_rows, drafter.config.block_size if isinstance(drafter, GlanceDrafter) else 1)
     if isinstance(drafter, GlanceDrafter):
         check_compatible(drafter.config, target)
         drafter = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, max_len,
-                            pack_rows=drafter.config.block_size if prepack else 0)
+                            plan=plans[1])
     layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
-    verifier = TargetDecoder(target.parts, max_len, layers, pack_rows=rows if prepack else 0)
+    verifier = TargetDecoder(target.parts, max_len, layers, plan=plans[0])
     return verifier, drafter
+
+
+def kernel_plans(kernels, verify_rows: tuple[int, ...], block: int) -> tuple:
+    """(verifier's KernelPlan, draft pass's) for `round_modules`' `kernels`; (None, None): plain."""
+    if kernels is None:
+        return None, None
+    tuner = None if kernels is True else kernels
+    verify = KernelPlan(max(verify_rows), (*verify_rows, PREFILL_ROWS), tuner)
+    return verify, KernelPlan(block, (block, PREFILL_ROWS), tuner)
 
 
 def static_graphs(target, drafter, max_len: int) -> StaticGraphs:
     """The fixed-shape graphs of `target` (+ a GlanceDrafter) over the plain weights: what engine
     builders trace."""
-    return StaticGraphs(*round_modules(target, drafter, max_len, 0, prepack=False))
+    return StaticGraphs(*round_modules(target, drafter, max_len, (1,), None))
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from glance_rt.errors import GlanceError, require
 from glance_rt.export.manifest import read_manifest
 from glance_rt.files import atomic_write
 from glance_rt.method import DEFAULT_LOOKUP, Method, job_max_length
+from glance_rt.models.kernels import cpu_model, machine
 from glance_rt.round.adaptive import calibrate
 from glance_rt.round.loop import Decoder
 from glance_rt.round.sample import GREEDY, Sampling
@@ -120,13 +121,21 @@ def _glance_runner(target, drafter, cfg: BenchConfig, method: Method, policy=Non
     return _decoder_runner(Decoder.from_method(method, target, drafter, cfg.max_length, policy), cfg)
 
 
-def _decoder_runner(dec, cfg: BenchConfig):
-    def run(inputs):
+@dataclass(frozen=True)
+class DecoderRunner:
+    """Times one generation of a glance-rt Decoder (the report also reads its kernel choices)."""
+
+    dec: Decoder
+    cfg: BenchConfig
+
+    def __call__(self, inputs):
         start = time.perf_counter()
-        res = dec.generate(max_new_tokens=cfg.max_new_tokens, sampling=cfg.sampling, **inputs)
+        res = self.dec.generate(max_new_tokens=self.cfg.max_new_tokens, sampling=self.cfg.sampling, **inputs)
         return res.token_ids, time.perf_counter() - start, res.stats.timings["prefill"], res.stats
 
-    return run
+
+def _decoder_runner(dec, cfg: BenchConfig) -> DecoderRunner:
+    return DecoderRunner(dec, cfg)
 
 
 def engine_method(dec, folder) -> str:
@@ -197,9 +206,14 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
         except Skip as e:
             skipped[m] = str(e)
             log(f"[bench] skipping {m}: {e}")
+    engines = {}
     for folder in cfg.engines:
-
-        autoregressive = read_manifest(Path(folder))["source"]["drafter_weights"] is None  # an AR engine
+        manifest = read_manifest(Path(folder))
+        autoregressive = manifest["source"]["drafter_weights"] is None  # an AR engine
+        built_on = (manifest.get("kernels") or {}).get("machine", {}).get("cpu")
+        engines[Path(folder).name] = {"flavor": manifest.get("flavor"), "built_on": built_on,
+                                      "same_cpu": built_on == cpu_model() if built_on else None,
+                                      "chosen_by": (manifest.get("kernels") or {}).get("chosen_by")}
         dec = Decoder.from_engine(folder, target, None if autoregressive else drafter, lookup=0)
         runners[engine_method(dec, folder)] = _decoder_runner(dec, cfg)
         if cfg.engine_lookup and not autoregressive and not dec.chain:
@@ -260,6 +274,8 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
         log("[bench] interrupted: the report covers the prompts finished so far")
     bar.close()
     report = build_report(records, skipped, mismatches, partial, target, cfg)
+    report["engines"] = engines
+    report["kernels"] = {m: r.dec.kernel_choices for m, r in runners.items() if isinstance(r, DecoderRunner)}
     report["adaptive_buckets"] = [asdict(b) for b in policy.buckets] if policy is not None else None
     return report
 
@@ -343,6 +359,7 @@ def build_report(records, skipped, mismatches, partial, target, cfg: BenchConfig
         "dtype": str(target.dtype).removeprefix("torch."),
         "device": str(target.device),
         "torch_threads": torch.get_num_threads(),
+        "machine": machine(),
         "config": asdict(cfg),
         "reference": REFERENCE_NAMES[reference_method(cfg)],
         "partial": partial,
@@ -382,6 +399,9 @@ def _fmt(q: dict) -> str:
 def markdown(report: dict) -> str:
     lines = [f"# glance-rt bench — {report['target']} ({report['dtype']}, {report['device']}, "
              f"{report['torch_threads']} threads) — {report['date']}", ""]
+    mach = report.get("machine")
+    if mach:
+        lines += [f"Machine: {mach['cpu']}, {mach['cores']} cores, torch {mach['torch']}.", ""]
     sampling = report["config"].get("sampling") or {}
     if sampling.get("do_sample"):
         knobs = ", ".join(f"{k} {sampling[k]}" for k in ("temperature", "top_k", "top_p", "min_p",
@@ -408,9 +428,36 @@ def markdown(report: dict) -> str:
               "| kind | " + " | ".join(report["overall"]) + " |", "|---" * (len(report["overall"]) + 1) + "|"]
     for kind, ms in report["kinds"].items():
         lines.append(f"| {kind} | " + " | ".join(_fmt(s["speedup_vs_ar"]) for s in ms.values()) + " |")
+    kernels = {m: kernel_line(k) for m, k in (report.get("kernels") or {}).items() if k}
+    if kernels:
+        lines += ["", "Linear-layer kernels (oneDNN-prepacked vs torch's own, chosen per shape and row class; "
+                  "`glance_rt.models.kernels`):", ""] + [f"- {m}: {line}" for m, line in kernels.items()]
+    for name, e in (report.get("engines") or {}).items():
+        where = "an unrecorded CPU" if e["built_on"] is None else e["built_on"]
+        lines += ["", f"Engine {name}: flavor {e['flavor']} ({e['chosen_by'] or 'not recorded'}), built on {where}"
+                  + (" — **not this CPU: its kernel choice was made for another**" if e["same_cpu"] is False else "")]
     if report["skipped"]:
         lines += ["", "Skipped: " + "; ".join(f"{m}: {why}" for m, why in report["skipped"].items())]
     return "\n".join(lines) + "\n"
+
+
+def kernel_line(choices: dict) -> str:
+    """`verify: 9 rows oneDNN 7/8, 64 rows oneDNN 3/8; draft: ...` from `Decoder.kernel_choices`."""
+    parts = []
+    for pass_name, shapes in choices.items():
+        per_rows: dict = {}
+        for k in shapes.values():
+            for rows, kernel in (k.items() if isinstance(k, dict) else [("all", k)]):
+                per_rows.setdefault(rows, []).append(kernel)
+        ordered = sorted(per_rows.items(), key=_rows_order)
+        parts.append(f"{pass_name}: " + ", ".join(f"{rows} rows oneDNN {ks.count('onednn')}/{len(ks)}"
+                                                  for rows, ks in ordered))
+    return "; ".join(parts)
+
+
+def _rows_order(item) -> int:
+    rows = str(item[0])  # an int, or its JSON string, or "all"
+    return int(rows) if rows.isdigit() else 1 << 30
 
 
 def plots(report: dict, folder) -> list[Path]:

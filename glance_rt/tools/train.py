@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -35,12 +36,13 @@ from glance_rt.models.drafter import (
     rope_tables,
     save_drafter,
 )
-from glance_rt.models.linear import packed_linears
+from glance_rt.models.kernels import KernelPlan, KernelTuner
+from glance_rt.models.linear import swapped_linears
 from glance_rt.round.loop import Decoder
 from glance_rt.tools.suites import cap_per_kind, default_corpus_path, read_prompts
 
 PART_SIZE = 64  # prompts per response/feature part file
-PACK_ROWS = 32  # row hint of the oneDNN weight layout in the response and feature stages (any row count runs)
+PACK_ROWS = 32  # the row class timed for the response and feature stages (and oneDNN's layout hint)
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     gamma: float = 7.0  # loss weight of depth k: exp(-(k-1)/gamma)
-    bf16: bool = True  # bf16 autocast for the drafter pass and a bf16 lm_head copy (CPU AVX512-BF16 / GPU)
+    bf16: bool | None = None  # bf16 autocast and a bf16 lm_head copy; None: where bf16 is measured faster (`use_bf16`)
     draft_vocab: int | None = None  # glance-only: the N most frequent response tokens form the draft vocabulary
     mask_token_id: int | None = None  # None: `default_mask_token_id(target)`
     learned_mask: bool = False  # glance-only: a learned mask embedding instead of a mask token's
@@ -366,20 +368,28 @@ def block_forward(drafter, embed: Tensor, features: Tensor, ids: Tensor, anchors
     return out.view(k_blocks, b, -1)[:, 1:]  # [K, B-1, H]
 
 
-def block_loss(drafter, embed: Tensor, head: Tensor, seq: Sequence, anchors: Tensor, gamma: float,
+def block_loss(drafter, embed: Tensor, head: Tensor, picks: list[tuple[Sequence, Tensor]], gamma: float,
                column: Tensor | None = None):
     """CE of depth k predicting x_{a+k} through the frozen lm_head rows `head` [Vd, H], weighted
-    exp(-(k-1)/gamma). `column` [V] maps a token id to its row of `head` (-1: not in the draft
-    vocabulary, which the drafter cannot propose: no loss, and a chain stops there); None: row = id.
+    exp(-(k-1)/gamma), for every (sequence, anchors [K]) pick. The drafter runs once per sequence; the
+    head and the softmax run once over all picks' rows (one large GEMM: over the whole vocabulary the
+    head is most of a step's cost, and 8 small GEMMs ran ~3x slower than one). `column` [V] maps a
+    token id to its row of `head` (-1: not in the draft vocabulary, which the drafter cannot propose:
+    no loss, and a chain stops there); None: row = id.
     Returns (weighted CE sum, weight sum, chain accepted-length sum over the blocks)."""
-    b, length = drafter.config.block_size, seq.ids.shape[0]
-    out = block_forward(drafter, embed, seq.features, seq.ids, anchors)
-    logits = F.linear(out.to(head.dtype), head).float()  # [K, B-1, Vd]
-    tgt_pos = anchors[:, None] + torch.arange(1, b)  # [K, B-1]
-    targets = seq.ids[tgt_pos.clamp(max=length - 1)]
+    b = drafter.config.block_size
+    outs, targets, valid = [], [], []
+    for seq, anchors in picks:
+        length = seq.ids.shape[0]
+        outs.append(block_forward(drafter, embed, seq.features, seq.ids, anchors))  # [K, B-1, H]
+        tgt_pos = anchors[:, None] + torch.arange(1, b)  # [K, B-1]
+        targets.append(seq.ids[tgt_pos.clamp(max=length - 1)])
+        valid.append(tgt_pos < length)
+    out, targets, valid = torch.cat(outs), torch.cat(targets), torch.cat(valid)  # [N, B-1, ...]
+    logits = F.linear(out.to(head.dtype), head).float()  # [N, B-1, Vd]
     if column is not None:
         targets = column[targets]
-    valid = (tgt_pos < length) & (targets >= 0)
+    valid = valid & (targets >= 0)
     targets = targets.clamp(min=0)
     ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
     weight = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / gamma)[None].expand_as(ce) * valid
@@ -417,6 +427,30 @@ def start_from(drafter, path) -> None:
         for k, v in src.state_dict().items():
             if k in own and k != "draft_vocab":
                 own[k].copy_(v)
+
+
+def use_bf16(device: torch.device, hidden: int, vocab: int, rows: int = 896, timer=None) -> bool:
+    """Whether bf16 autocast pays for training here. On a GPU: where it supports bf16. On a CPU,
+    measured: the head's GEMM shape (rows x hidden -> vocab, forward and input gradient, the
+    bulk of a step) in bf16 against fp32; bf16 is ~6x slower on a CPU without AVX512-BF16 / AMX
+    (docs/training.md) and faster with them. `timer(dtype)` -> seconds (tests inject one)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    if timer is None:
+        def timer(dtype):
+            g = torch.Generator().manual_seed(0)
+            w = torch.randn(min(vocab, 8192), hidden, generator=g).to(dtype)
+            x = torch.randn(rows, hidden, generator=g).to(dtype)
+            times = []
+            for _ in range(4):
+                t0 = time.perf_counter()
+                y = x @ w.T  # forward
+                y @ w  # input gradient
+                times.append(time.perf_counter() - t0)
+            return sorted(times)[1]  # the fastest but one (the first call warms up)
+    return timer(torch.bfloat16) < timer(torch.float32)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -509,18 +543,20 @@ def stage_train(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world
         head = head[vocab]
         column = torch.full((target.vocab_size,), -1, dtype=torch.long)
         column[vocab] = torch.arange(len(vocab))
-    head = head.to(torch.bfloat16 if cfg.bf16 else torch.float32).contiguous()  # [Vd, H]
-    autocast = torch.autocast(str(target.device.type), dtype=torch.bfloat16, enabled=cfg.bf16)
+    bf16 = use_bf16(target.device, head.shape[1], head.shape[0]) if cfg.bf16 is None else cfg.bf16
+    if rank == 0:
+        print(f"[train] {'bf16 autocast' if bf16 else 'fp32'} ({'measured' if cfg.bf16 is None else 'as asked'})")
+    head = head.to(torch.bfloat16 if bf16 else torch.float32).contiguous()  # [Vd, H]
+    autocast = torch.autocast(str(target.device.type), dtype=torch.bfloat16, enabled=bf16)
     bar = _bar(cfg.steps, "train", rank, initial=start)
     for step in range(start, cfg.steps):
         picks = sample_step(seqs, cfg, step)[rank::world]
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         with autocast:
-            terms = [block_loss(drafter, embed, head, seqs[i], a, cfg.gamma, column) for i, a in picks]
-        loss_sum = sum(t[0] for t in terms)
-        stats = torch.tensor([float(sum(t[1] for t in terms)), float(sum(t[2] for t in terms)),
-                              float(sum(len(a) for _, a in picks))])
+            loss_sum, weight_sum, accepted = block_loss(drafter, embed, head, [(seqs[i], a) for i, a in picks],
+                                                        cfg.gamma, column)
+        stats = torch.tensor([float(weight_sum), float(accepted), float(sum(len(a) for _, a in picks))])
         if world > 1:
             import torch.distributed as dist
 
@@ -610,7 +646,8 @@ def train(target, cfg: TrainConfig):
     _barrier(world)
     n_parts = len(_parts(train_rows))
     store = open_store(target, cfg)
-    with packed_linears(target.hf_model, PACK_ROWS):  # stages 1-2 run the HF model: oneDNN kernels, modules put back
+    kernels = KernelPlan(PACK_ROWS, (PACK_ROWS,), KernelTuner())  # each layer's faster kernel on this CPU
+    with swapped_linears(target.hf_model, kernels.linear):  # stages 1-2 run the HF model; modules put back
         stage_responses(target, train_rows, cfg, out, rank, world, store)
         stage_features(target, cfg, out, layer_ids, rank, world, n_parts)
 

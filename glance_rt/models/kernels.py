@@ -1,0 +1,259 @@
+"""Which kernel runs each linear layer, chosen by measuring this machine (issue 20).
+
+A round's linear layers are GEMMs of a few rows (a tree of budget+1 rows, a draft block, one row in
+autoregression) plus the prompt's prefill. Which kernel is fastest at those shapes depends on the
+CPU: MKL's fp32 GEMM (torch's own `linear`) was ~2x slower than oneDNN's prepacked kernel
+(`glance::packed_linear`) at a round's shapes on an AMD EPYC, and ~30% faster on an Intel Xeon. So
+no rule is fixed here: `KernelTuner` times both kernels for each (weight shape, row class, dtype)
+the decoder will run, keeps the faster (oneDNN only when it beats MKL by `margin`: never slower
+than the plain kernel), and caches the timings in a JSON file keyed by the machine (CPU model,
+cores, torch threads, torch / MKL / oneDNN versions), so the cost (a second or two for a model's
+handful of shapes) is paid once per machine.
+
+`KernelPlan` is the result for one pass: `plan.linear(nn.Linear)` returns the module itself (MKL
+at every row class), a `PackedLinear` (oneDNN at every row class) or a `ChosenLinear` (per row
+class). Either kernel computes the same product (other summation order, fp32 rounding): the tokens
+are those of HF greedy whichever is chosen (tested with forced and mixed plans).
+"""
+
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from glance_rt.errors import GlanceWarning
+from glance_rt.files import atomic_write
+from glance_rt.models.linear import PackedLinear, can_pack
+
+KERNELS = ("mkl", "onednn")  # mkl: torch's own linear; onednn: glance::packed_linear (prepacked weight)
+PREFILL_ROWS = 64  # the row class of prefill and long context passes
+CACHE_FORMAT = 1
+
+
+# ----------------------------------------------------------------------------- the machine
+
+
+def cpu_model() -> str:
+    """The CPU's model name (`/proc/cpuinfo` on Linux, else `platform.processor()`)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _library_versions() -> dict:
+    cfg = torch.__config__.show()
+    libs = [line.strip(" -") for line in cfg.splitlines() if any(k in line for k in ("MKL", "OneDNN", "oneDNN"))]
+    return {"torch": torch.__version__, "libraries": libs}
+
+
+def machine() -> dict:
+    """What kernel timings depend on: CPU model, cores, torch threads, torch / MKL / oneDNN versions."""
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(), **_library_versions()}
+
+
+def machine_key(m: dict) -> str:
+    return hashlib.sha256(json.dumps(m, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def default_cache_path() -> Path:
+    """`$GLANCE_RT_CACHE/kernels.json`, else `$XDG_CACHE_HOME/glance-rt/`, else `~/.cache/glance-rt/`."""
+    root = os.environ.get("GLANCE_RT_CACHE")
+    if root is None:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "glance-rt"
+    return Path(root) / "kernels.json"
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def time_linear(out_features: int, in_features: int, rows: int, dtype: torch.dtype,
+                budget_s: float = 0.03, max_reps: int = 41) -> dict:
+    """Median seconds per call of each kernel for x [rows, in] @ W[out, in].T on this CPU: the two
+    kernels alternate (interleaved, so a load change hits both), 3 warm-up calls each, then until
+    each has run `budget_s` or `max_reps` calls (at least 5)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, in_features, generator=g, dtype=torch.float32).to(dtype)
+    x = torch.randn(1, rows, in_features, generator=g, dtype=torch.float32).to(dtype)
+    packed = PackedLinear(w, None, rows)
+    runs = {"mkl": lambda: F.linear(x, w), "onednn": lambda: packed(x)}
+    with torch.inference_mode():
+        for run in runs.values():
+            for _ in range(3):
+                run()
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        spent = dict.fromkeys(runs, 0.0)
+        while len(times["mkl"]) < max_reps and (len(times["mkl"]) < 5 or min(spent.values()) < budget_s):
+            for k, run in runs.items():
+                t0 = time.perf_counter()
+                run()
+                dt = time.perf_counter() - t0
+                times[k].append(dt)
+                spent[k] += dt
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+# ----------------------------------------------------------------------------- the tuner
+
+
+@dataclass(frozen=True)
+class KernelTuner:
+    """Chooses a kernel per (weight shape, rows, dtype) by timing (`timer(out, in, rows, dtype)` ->
+    {"mkl": s, "onednn": s}); timings are cached in `cache` (None: `default_cache_path()`; False:
+    no file) under the key of `machine()`, so a change of CPU, threads or library version re-times.
+    `margin`: oneDNN is chosen only when it is at least this fraction faster than MKL."""
+
+    timer: Callable = time_linear
+    cache: Path | bool | None = None
+    margin: float = 0.03
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)  # this tuner's timings, by entry key
+
+    def _path(self) -> Path | None:
+        if self.cache is False:
+            return None
+        return default_cache_path() if self.cache in (None, True) else Path(self.cache)
+
+    def _file(self) -> tuple[str, dict]:
+        key = machine_key(machine())
+        path = self._path()
+        data = {}
+        if path is not None and path.exists():
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                data = {}  # unreadable cache: re-time (and rewrite it)
+            if data.get("format") != CACHE_FORMAT:
+                data = {}
+        return key, data
+
+    def timings(self, requests: list[tuple[int, int, int, torch.dtype]]) -> dict:
+        """{(out, in, rows, dtype): {"mkl": s, "onednn": s}} for every request, timing only what
+        neither this tuner nor the cache file holds; new timings are written back (atomically)."""
+        key, data = self._file()
+        entries = data.setdefault("machines", {}).setdefault(key, {"machine": machine(), "timings": {}})["timings"]
+        out, new = {}, False
+        for req in dict.fromkeys(requests):
+            name = _entry(*req)
+            if name not in self._memo:
+                if not _valid(entries.get(name)):
+                    entries[name] = self.timer(*req)
+                    new = True
+                self._memo[name] = entries[name]
+            out[req] = self._memo[name]
+        path = self._path()
+        if new and path is not None:
+            data["format"] = CACHE_FORMAT
+            try:
+                atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1, sort_keys=True)))
+            except OSError as e:  # an unwritable cache costs a re-timing next time, nothing else
+                warnings.warn(f"could not write the kernel timing cache {path} ({e}); set GLANCE_RT_CACHE to a "
+                              "writable folder to keep them", GlanceWarning, stacklevel=2)
+        return out
+
+    def choose(self, timing: dict) -> str:
+        return "onednn" if timing["onednn"] < (1 - self.margin) * timing["mkl"] else "mkl"
+
+
+def _valid(timing) -> bool:
+    return isinstance(timing, dict) and all(isinstance(timing.get(k), (int, float)) and timing[k] > 0 for k in KERNELS)
+
+
+def _entry(out_features: int, in_features: int, rows: int, dtype: torch.dtype) -> str:
+    return f"{out_features}x{in_features}@{rows}:{str(dtype).removeprefix('torch.')}"
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+def nearest_class(rows: int, classes: tuple[int, ...]) -> int:
+    """The row class closest to `rows` in log scale (ties: the smaller class)."""
+    return min(classes, key=lambda c: (abs(math.log(max(rows, 1)) - math.log(c)), c))
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """How one pass's linear layers run. `tuner` None: oneDNN-prepacked everywhere (`prepack=True`);
+    else each weight shape gets, per row class in `classes`, the kernel `tuner` measured faster.
+    `layout_rows`: the row count oneDNN's packed layout is laid out for."""
+
+    layout_rows: int
+    classes: tuple[int, ...] = ()
+    tuner: KernelTuner | None = None
+
+    def kernels(self, weight: Tensor) -> dict[int, str]:
+        """{rows class: kernel} for a weight [out, in]."""
+        if self.tuner is None:
+            return {self.layout_rows: "onednn"}
+        out_f, in_f = weight.shape
+        classes = tuple(sorted(set(self.classes) | {self.layout_rows}))
+        times = self.tuner.timings([(out_f, in_f, r, weight.dtype) for r in classes])
+        return {r: self.tuner.choose(times[(out_f, in_f, r, weight.dtype)]) for r in classes}
+
+    def linear(self, module: nn.Module) -> nn.Module:
+        """The module that runs `module`: itself (MKL at every row class, or not a packable
+        nn.Linear), a `PackedLinear` (oneDNN at every class) or a `ChosenLinear` (per class)."""
+        if not (isinstance(module, nn.Linear) and can_pack(module.weight)):
+            return module
+        ks = self.kernels(module.weight)
+        used = set(ks.values())
+        if used == {"mkl"}:
+            return module
+        if used == {"onednn"}:
+            return PackedLinear(module.weight, module.bias, self.layout_rows)
+        return ChosenLinear(module, tuple(r for r, k in ks.items() if k == "onednn"), tuple(ks), self.layout_rows)
+
+
+
+def with_plan(plan: KernelPlan | None, module: nn.Module) -> nn.Module:
+    """`plan.linear(module)`, or the module itself when there is no plan (the plain kernels)."""
+    return module if plan is None else plan.linear(module)
+
+
+class ChosenLinear(nn.Module):
+    """`linear(x)` through oneDNN's packed weight at the row classes in `onednn_rows`, through
+    torch's own linear (MKL) at the others; x [..., in] -> [..., out]. The row count of x picks its
+    nearest class (a static shape in a compiled graph, so each graph runs one kernel per layer)."""
+
+    def __init__(self, linear: nn.Linear, onednn_rows: tuple[int, ...], classes: tuple[int, ...], layout_rows: int):
+        super().__init__()
+        self.linear = linear
+        self.packed = PackedLinear(linear.weight, linear.bias, layout_rows)
+        self.onednn_rows, self.classes = frozenset(onednn_rows), classes
+
+    def forward(self, x: Tensor) -> Tensor:
+        if nearest_class(x.numel() // x.shape[-1], self.classes) in self.onednn_rows:
+            return self.packed(x)
+        return self.linear(x)
+
+
+def kernel_summary(module: nn.Module) -> dict:
+    """{"OUTxIN": kernel or {rows class: kernel}} for the linear layers inside `module`."""
+    mods = list(module.modules())
+    inner = {id(m.linear) for m in mods if isinstance(m, ChosenLinear)}  # the MKL side of a ChosenLinear
+    out = {}
+    for m in mods:
+        if isinstance(m, ChosenLinear):
+            out[_shape(m.linear)] = {r: "onednn" if r in m.onednn_rows else "mkl" for r in m.classes}
+        elif isinstance(m, PackedLinear):
+            out[f"{m.out_features}x{m.in_features}"] = "onednn"
+        elif isinstance(m, nn.Linear) and id(m) not in inner:
+            out[_shape(m)] = "mkl"
+    return out
+
+
+def _shape(linear: nn.Linear) -> str:
+    return f"{linear.out_features}x{linear.in_features}"

@@ -1,0 +1,186 @@
+"""Kernel choice by measurement (glance_rt.models.kernels): the choice logic with an injected timer
+(deterministic), the per-machine cache (hit, miss, stale, unreadable), and tokens equal to HF greedy
+whichever kernels are chosen."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import glance_rt
+from glance_rt import GlanceError
+from glance_rt.models import kernels as K
+from glance_rt.models.kernels import ChosenLinear, KernelPlan, KernelTuner, nearest_class
+from glance_rt.models.linear import PackedLinear, can_pack
+from tests.conftest import hf_greedy, tiny_target
+from tests.tiny_models import make_inputs
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="needs a CPU build with oneDNN (mkldnn)")
+
+
+class FakeTimer:
+    """Deterministic timings: oneDNN wins where `onednn_wins(out, in, rows)`; records every call."""
+
+    def __init__(self, onednn_wins):
+        self.onednn_wins, self.calls = onednn_wins, []
+
+    def __call__(self, out_f, in_f, rows, dtype):
+        self.calls.append((out_f, in_f, rows))
+        return {"mkl": 1.0, "onednn": 0.5 if self.onednn_wins(out_f, in_f, rows) else 2.0}
+
+
+def mixed(out_f, in_f, rows):  # oneDNN for some shapes at some row counts only
+    return (out_f + rows) % 2 == 1
+
+
+def test_choice_needs_the_margin_and_prefers_the_plain_kernel_on_a_tie():
+    t = KernelTuner(cache=False, margin=0.05)
+    assert t.choose({"mkl": 1.0, "onednn": 0.9}) == "onednn"
+    assert t.choose({"mkl": 1.0, "onednn": 0.96}) == "mkl"  # faster, but within the margin
+    assert t.choose({"mkl": 1.0, "onednn": 1.0}) == "mkl"
+    assert t.choose({"mkl": 1.0, "onednn": 3.0}) == "mkl"
+
+
+def test_nearest_class_is_log_scale():
+    assert nearest_class(1, (1, 9, 64)) == 1
+    assert nearest_class(2, (1, 9, 64)) == 1
+    assert nearest_class(4, (1, 9, 64)) == 9
+    assert nearest_class(20, (1, 9, 64)) == 9  # the boundary is the geometric mean, 24
+    assert nearest_class(30, (1, 9, 64)) == 64
+    assert nearest_class(500, (1, 9, 64)) == 64
+
+
+def test_plan_builds_the_module_each_choice_needs():
+    lin = nn.Linear(16, 24)
+    assert KernelPlan(9, (9, 64), KernelTuner(FakeTimer(lambda o, i, r: False), cache=False)).linear(lin) is lin
+    assert isinstance(KernelPlan(9, (9, 64), KernelTuner(FakeTimer(lambda o, i, r: True), cache=False)).linear(lin),
+                      PackedLinear)
+    assert isinstance(KernelPlan(9).linear(lin), PackedLinear)  # no tuner: oneDNN everywhere (prepack=True)
+    chosen = KernelPlan(9, (9, 64), KernelTuner(FakeTimer(lambda o, i, r: r == 64), cache=False)).linear(lin)
+    assert isinstance(chosen, ChosenLinear) and chosen.onednn_rows == {64}
+    assert KernelPlan(9).linear(nn.Linear(4, 4).bfloat16()).weight.dtype == torch.bfloat16  # not packable: as is
+
+
+@pytest.mark.parametrize("rows", [1, 9, 40, 300])
+def test_chosen_linear_is_linear_and_runs_the_chosen_kernel(rows, monkeypatch):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96)
+    chosen = ChosenLinear(lin, (64,), (9, 64), 9)
+    used = []
+    packed = chosen.packed
+    monkeypatch.setattr(packed, "forward", lambda x: used.append("onednn") or PackedLinear.forward(packed, x))
+    monkeypatch.setattr(lin, "forward", lambda x: used.append("mkl") or nn.Linear.forward(lin, x))
+    x = torch.randn(1, rows, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(chosen(x), torch.nn.functional.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert used == ["onednn" if nearest_class(rows, (9, 64)) == 64 else "mkl"]
+
+
+def test_cache_hit_miss_stale_and_unreadable(tmp_path, monkeypatch):
+    path = tmp_path / "kernels.json"
+    first = FakeTimer(mixed)
+    reqs = [(24, 16, 9, torch.float32), (24, 16, 64, torch.float32)]
+    got = KernelTuner(first, cache=path).timings(reqs)
+    assert len(first.calls) == 2 and path.exists()
+    again = FakeTimer(mixed)  # hit: another tuner on the same file times nothing
+    assert KernelTuner(again, cache=path).timings(reqs) == got and again.calls == []
+    miss = FakeTimer(mixed)  # miss: only the new shape is timed
+    KernelTuner(miss, cache=path).timings([*reqs, (8, 16, 9, torch.float32)])
+    assert miss.calls == [(8, 16, 9)]
+    real = K.machine()
+    monkeypatch.setattr(K, "machine", lambda: {**real, "torch": "0.0-other"})  # stale: a library changed
+    stale = FakeTimer(mixed)
+    KernelTuner(stale, cache=path).timings(reqs)
+    assert len(stale.calls) == 2
+    assert len(json.loads(path.read_text())["machines"]) == 2  # both machines' timings kept, each under its key
+    data = json.loads(path.read_text())
+    for entry in data["machines"].values():
+        entry["timings"] = {k: {"mkl": "fast"} for k in entry["timings"]}  # malformed entries: re-timed
+    path.write_text(json.dumps(data))
+    malformed = FakeTimer(mixed)
+    KernelTuner(malformed, cache=path).timings(reqs)
+    assert len(malformed.calls) == 2
+    path.write_text("{not json")  # unreadable: re-timed and rewritten
+    broken = FakeTimer(mixed)
+    KernelTuner(broken, cache=path).timings(reqs)
+    assert len(broken.calls) == 2 and json.loads(path.read_text())["format"] == K.CACHE_FORMAT
+
+
+def test_real_timer_times_both_kernels():
+    t = K.time_linear(32, 16, 4, torch.float32, budget_s=0.001)
+    assert set(t) == {"mkl", "onednn"} and all(v > 0 for v in t.values())
+    m = K.machine()
+    assert m["cpu"] and m["cores"] >= 1 and m["torch"] == torch.__version__
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("plan", ["mixed", "mkl", "onednn", "auto"])
+def test_tokens_are_hf_greedy_whichever_kernels_are_chosen(arch, plan, tmp_path):
+    target, model, processor = tiny_target(arch)
+    inputs = make_inputs(arch, processor)
+    ref = hf_greedy(model, inputs, 24)
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=2)
+    wins = {"mixed": mixed, "mkl": lambda o, i, r: False, "onednn": lambda o, i, r: True}.get(plan)
+    prepack = "auto" if wins is None else KernelTuner(FakeTimer(wins), cache=tmp_path / "k.json")
+    dec = glance_rt.Decoder(target, drafter, tree_budget=6, lookup=0, prepack=prepack)
+    assert dec.generate(max_new_tokens=24, **inputs).token_ids == ref
+    kinds = {k for pass_ in dec.kernel_choices.values() for v in pass_.values()
+             for k in (v.values() if isinstance(v, dict) else [v])}
+    if plan == "mixed":
+        assert kinds == {"mkl", "onednn"}
+        assert any(isinstance(m, ChosenLinear) for m in dec.verifier.modules())
+    elif plan in ("mkl", "onednn"):
+        assert kinds == {plan}
+    ar = glance_rt.Decoder(target, None, prepack=prepack)  # one-row autoregression: its own row class
+    assert ar.generate(max_new_tokens=24, **inputs).token_ids == ref
+
+
+def test_prepack_settings():
+    target, _, _ = tiny_target("llama")
+    assert glance_rt.Decoder(target, None, prepack=False).kernel_choices == {}
+    forced = glance_rt.Decoder(target, None, prepack=True).kernel_choices["verify"]
+    assert set(forced.values()) == {"onednn"}
+    with pytest.raises(GlanceError, match="prepack="):
+        glance_rt.Decoder(target, None, prepack="fast")
+
+
+@pytest.mark.parametrize("onednn_faster,flavor", [(True, "frozen"), (False, "shared")])
+def test_aoti_flavor_is_chosen_by_measurement(onednn_faster, flavor, tmp_path):
+    from glance_rt.engines.engine import choose_flavor
+
+    target, _, _ = tiny_target("llama")
+    timer = FakeTimer(lambda o, i, r: onednn_faster)
+    got, record = choose_flavor("aoti", None, target, [4, 8], KernelTuner(timer, cache=tmp_path / "k.json"))
+    assert got == flavor and record["chosen_by"] == "measurement" and record["verify_rows"] == 9
+    assert {r for _, _, r in timer.calls} == {9}  # the largest verify bucket's rows
+    assert record["machine"]["cpu"] == K.cpu_model()
+    user, record = choose_flavor("aoti", "shared", target, [8])
+    assert user == "shared" and record["chosen_by"] == "user"
+    assert choose_flavor("onnxruntime", None, target, [8])[0] == "portable"
+
+
+def test_engine_built_on_another_cpu_warns():
+    from glance_rt.engines.engine import check_machine
+
+    here = {"kernels": {"machine": {"cpu": K.cpu_model()}}, "flavor": "frozen"}
+    assert check_machine("e", here) is None and check_machine("e", {"flavor": "shared"}) is None
+    msg = check_machine("e", {"kernels": {"machine": {"cpu": "Some Other CPU 9000"}}, "flavor": "frozen"})
+    assert "Some Other CPU 9000" in msg and "rebuild it here" in msg
+
+
+def test_training_precision_is_measured():
+    from glance_rt.tools.train import use_bf16
+
+    cpu = torch.device("cpu")
+    assert use_bf16(cpu, 8, 16, timer=lambda dt: 1.0 if dt == torch.bfloat16 else 2.0)
+    assert not use_bf16(cpu, 8, 16, timer=lambda dt: 6.0 if dt == torch.bfloat16 else 1.0)
+    assert use_bf16(cpu, 16, 64, rows=8) in (True, False)  # the real timer runs
+
+
+def test_an_unwritable_cache_warns_and_still_chooses(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the cache folder should be: the write fails
+    with pytest.warns(glance_rt.GlanceWarning, match="kernel timing cache"):
+        got = KernelTuner(FakeTimer(mixed), cache=blocker / "kernels.json").timings([(3, 4, 1, torch.float32)])
+    assert got[(3, 4, 1, torch.float32)] == {"mkl": 1.0, "onednn": 2.0}
