@@ -67,9 +67,6 @@ def test_shipped_drafter_loads_and_is_lossless(cases):
         assert res.stats.draft_passes == res.stats.rounds
 
 
-@pytest.mark.xfail(strict=True, raises=glance_rt.GlanceError,
-                   reason="the shipped drafter predates the DFlash contract (learned mask, draft vocabulary): "
-                          "it is to be retrained in DFlash form (issue 18); strict, so this flips when it is")
 def test_shipped_drafter_is_dflash_compatible(cases):
     """The shipped drafter follows the DFlash contract: DFlash's reference (the stand-in in
     tests/dflash_reference.py) loads it strictly and commits the same tokens per round as glance-rt's
