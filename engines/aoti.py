@@ -2,11 +2,12 @@
 prefill have fixed shapes; prefill is exported with a dynamic row count, so the prompt runs in one
 exact-length pass (padded chunks cost up to chunk-1 rows of wasted work per prompt).
 
-Two flavors:
-- `frozen` (default): Inductor freezing compiles the weights into every package as constants, and
+Two flavors, per graph (`build-engine` with no --flavor times each graph's linear layers both ways
+and picks the faster; the manifest says "mixed" where the graphs differ):
+- `frozen`: Inductor freezing compiles the weights into every package as constants, and
   folds what can be computed from them at build time: on a CPU each linear layer's weight is stored
   reordered for oneDNN and runs as one `mkldnn._linear_pointwise` call from the C++ wrapper (faster
-  per verify pass than `shared` on a CPU: docs/engines.md). The cost: each package holds
+  than MKL at a round's few rows on some CPUs, slower on others: docs/engines.md). The cost: each package holds
   its own copy of the weights it uses (disk and memory grow with the number of budget buckets).
 - `shared`: packages are built without their weights (`package_constants_in_so=False`); at load
   every package gets the running model's weights as user-managed constants, so all of them share
@@ -47,14 +48,13 @@ def inductor_configs(flavor: str) -> dict:
 
 
 def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, progress: bool = True,
-          flavor: str = "frozen") -> None:
+          flavor: str | dict = "frozen") -> None:
     """Export and AOT-compile every graph of `graphs` (StaticGraphs) into `out` (resumable:
-    finished packages are kept)."""
+    finished packages are kept). `flavor`: one for all graphs, or {graph name: flavor}."""
     from tqdm import tqdm
 
 
     jobs = example_inputs(graphs, StaticShapes(chunk, graphs.block_size), budgets, chain)
-    cfg = inductor_configs(flavor)
     # prefill takes the prompt at its length (MIN_PREFILL_ROWS..max_len rows): one pass, no padded chunk
     rows = torch.export.Dim("prompt_rows", min=MIN_PREFILL_ROWS, max=graphs.max_len)
     positions = jobs["prefill"][1]
@@ -65,7 +65,8 @@ def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, p
         bar.set_postfix_str(name)
         file = out / f"{name}.pt2"
         inputs = [[list(a.shape), str(a.dtype).removeprefix("torch.")] for a in args]
-        files[name] = {"file": file.name, "inputs": inputs}
+        graph_flavor = flavor if isinstance(flavor, str) else flavor[name]
+        files[name] = {"file": file.name, "inputs": inputs, "flavor": graph_flavor}
         if file.exists():  # finished by an earlier (interrupted) build
             continue
         t0 = time.perf_counter()
@@ -73,23 +74,24 @@ def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, p
             ep = torch.export.export(_Entry(graphs, name.split("-")[0]), args, strict=False,
                                      dynamic_shapes=dynamic.get(name))
             tmp = out / f"{name}.tmp.pt2"
-            torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp), inductor_configs=cfg)
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp),
+                                                     inductor_configs=inductor_configs(graph_flavor))
         tmp.replace(file)
         files[name]["build_seconds"] = round(time.perf_counter() - t0, 1)
     manifest["graphs"] = files
 
 
 def runners(path: Path, manifest: dict, graphs) -> dict:
-    """Load every package with `graphs`' caches (and, `shared` flavor, weights) as user-managed
+    """Load every package with `graphs`' caches (and, `shared` graphs, weights) as user-managed
     constants -> the callables StaticPasses runs (verify dispatches on the tree's row count). A frozen
     package keeps the constants compiled into it (its folded weights have no name in `graphs`);
     every one of its constants that names a buffer or parameter of `graphs` is taken from `graphs`."""
-    frozen = manifest["flavor"] == "frozen"  # engines built before the flavors existed were shared
     consts = {}
     for n, t in [*graphs.named_parameters(remove_duplicate=False), *graphs.named_buffers(remove_duplicate=False)]:
         consts[f"graphs.{n}"] = t.detach()
     loaded = {}
     for name, info in manifest["graphs"].items():
+        frozen = info.get("flavor", manifest["flavor"]) == "frozen"  # per graph where the build measured
         runner = torch._inductor.aoti_load_package(str(path / info["file"]))
         want = runner.get_constant_fqns()
         missing = [k for k in want if k not in consts and not (frozen and k.startswith("_frozen_param"))]

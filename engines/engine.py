@@ -21,10 +21,10 @@ from glance_rt.export.manifest import (
 )
 from glance_rt.hf.target import load_target
 from glance_rt.models.drafter import load_drafter
-from glance_rt.models.kernels import KernelTuner, cpu_model, machine
+from glance_rt.models.kernels import PREFILL_ROWS, KernelTuner, cpu_model, machine
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
-from glance_rt.round.verify import Backend, static_graphs, static_passes
+from glance_rt.round.verify import Backend, static_graphs, static_passes, verify_rows
 
 ENGINE_BACKENDS = ("aoti", "onnxruntime", "tensorrt")
 # the first flavor is the default
@@ -56,11 +56,11 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     weights into every package (Inductor freezing: oneDNN-packed linears on a CPU) and "shared" hands
     one copy of the running model's weights to all packages at load; for onnxruntime, "plugin" runs
     tree attention through glance-rt's compiled kernel library, built against the ONNX Runtime C API
-    headers in `ort_include`; an aoti flavor left unset is chosen by timing the verify pass's linear
+    headers in `ort_include`; an aoti flavor left unset is chosen per graph by timing its linear
     layers both ways on this machine (`choose_flavor`, with `tuner`; recorded in the manifest with
-    the CPU model); tensorrt takes "plugin" alone (its TreeAttention plugin runs the Triton
-    kernel) and needs a target on a CUDA GPU. `image_sizes` (onnxruntime and tensorrt, VLM targets):
-    (W, H) image buckets to build vision graphs for."""
+    the CPU model, flavor "mixed" where the graphs differ); tensorrt takes "plugin" alone (its
+    TreeAttention plugin runs the Triton kernel) and needs a target on a CUDA GPU. `image_sizes`
+    (onnxruntime and tensorrt, VLM targets): (W, H) image buckets to build vision graphs for."""
     if backend not in FLAVORS:
         raise GlanceError(f"unknown engine backend {backend!r}: choose one of {', '.join(ENGINE_BACKENDS)}")
     if flavor is not None and flavor not in FLAVORS[backend]:
@@ -74,7 +74,7 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
         raise GlanceError("vision graphs (--image-size) are built for onnxruntime and tensorrt engines; an aoti engine "
                           "runs the vision tower in torch at prefill")
     budgets = graph_budgets(drafter, budgets, max_len, chunk)
-    flavor, kernels = choose_flavor(backend, flavor, target, budgets, tuner)
+    flavor, graph_flavors, kernels = choose_flavor(backend, flavor, target, drafter, budgets, chain, chunk, tuner)
     out = Path(out)
     config = {"backend": backend, "budgets": list(budgets), "chain": chain, "max_len": max_len, "chunk": chunk,
               "flavor": flavor, "image_sizes": image_sizes}
@@ -105,30 +105,60 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
         impl.build(graphs, out, budgets, chain, chunk, manifest, progress, flavor=flavor, image_sizes=image_sizes,
                    target=target)
     else:
-        impl.build(graphs, out, budgets, chain, chunk, manifest, progress, flavor=flavor)
+        impl.build(graphs, out, budgets, chain, chunk, manifest, progress, flavor=graph_flavors or flavor)
     write_manifest(out, manifest)
     return out
 
 
-def choose_flavor(backend: str, flavor: str | None, target, budgets, tuner: KernelTuner | None = None):
-    """(flavor, the manifest's "kernels" record). An aoti engine of an fp32 CPU target left unset is
-    timed here: each linear layer of the target at the largest verify bucket's rows, torch's own
-    kernel (MKL, what `shared` runs) against oneDNN's prepacked one (what `frozen` compiles), summed
-    over the layers; `frozen` only where oneDNN is faster by the tuner's margin. Otherwise the
-    backend's default. The record names the machine, so a load on another CPU can say so."""
+def graph_linears(target, drafter, budgets, chain: bool, chunk: int) -> dict[str, Counter]:
+    """graph name -> Counter of the (out, in, rows, dtype) linear calls one run of that graph makes:
+    prefill (the text model at PREFILL_ROWS rows, the head at one), each verify bucket (its rows,
+    head included), and with a drafter, context (fc, k and v projections at `chunk` rows) and draft
+    (the context part and the whole drafter at the block's rows, then the head)."""
+    def calls(module, rows, keep=lambda name: True):
+        return Counter((m.out_features, m.in_features, rows, m.weight.dtype) for n, m in module.named_modules()
+                       if isinstance(m, nn.Linear) and keep(n))
+
+    head = target.parts.lm_head.weight
+    text = target.parts.text_model
+    out = {"prefill": calls(text, PREFILL_ROWS) + Counter({(*head.shape, 1, head.dtype): 1})}
+    block = drafter.block_size if drafter is not None else 1
+    for budget in budgets:
+        rows = verify_rows(budget, chain, block)
+        out[f"verify-{rows}"] = calls(text, rows) + Counter({(*head.shape, rows, head.dtype): 1})
+    if drafter is not None:
+        def is_context(name):
+            return name == "fc" or name.endswith(("k_proj", "v_proj"))
+
+        draft_rows = drafter.config.draft_vocab_size or head.shape[0]  # the head over the draft vocabulary
+        out["context"] = calls(drafter, chunk, is_context)
+        out["draft"] = (calls(drafter, block, is_context) + calls(drafter, block)
+                        + Counter({(draft_rows, head.shape[1], block, head.dtype): 1}))
+    return out
+
+
+def choose_flavor(backend: str, flavor: str | None, target, drafter, budgets, chain: bool, chunk: int,
+                  tuner: KernelTuner | None = None):
+    """(flavor, {graph: flavor} or None, the manifest's "kernels" record). An aoti engine of an fp32
+    CPU target left unset is timed here, graph by graph: each linear call the graph makes
+    (`graph_linears`), torch's own kernel (MKL, what `shared` runs) against oneDNN's prepacked one
+    (what `frozen` compiles), summed over the graph; `frozen` only where oneDNN is faster by the
+    tuner's margin. The flavor is then the graphs' common one, or "mixed". Otherwise the backend's
+    default. The record names the machine, so a load on another CPU can say so."""
     record = {"machine": machine(), "chosen_by": "user" if flavor is not None else "default"}
     if flavor is not None or backend != "aoti" or not can_pack(target.parts.lm_head.weight):
-        return flavor or FLAVORS[backend][0], record
+        return flavor or FLAVORS[backend][0], None, record
     tuner = tuner or KernelTuner()
-    rows = max(budgets) + 1
-    count = Counter((m.out_features, m.in_features, m.weight.dtype) for m in target.parts.text_model.modules()
-                    if isinstance(m, nn.Linear))
-    head = target.parts.lm_head.weight
-    count[(*head.shape, head.dtype)] += 1
-    times = tuner.timings([(o, i, rows, dt) for o, i, dt in count])
-    total = {k: sum(n * times[(o, i, rows, dt)][k] for (o, i, dt), n in count.items()) for k in ("mkl", "onednn")}
-    flavor = "frozen" if tuner.choose(total) == "onednn" else "shared"
-    return flavor, {**record, "chosen_by": "measurement", "verify_rows": rows, "linear_seconds": total}
+    calls = graph_linears(target, drafter, budgets, chain, chunk)
+    times = tuner.timings(sorted({k for c in calls.values() for k in c}, key=str))
+    per_graph, seconds = {}, {}
+    for name, count in calls.items():
+        total = {k: sum(n * times[call][k] for call, n in count.items()) for k in ("mkl", "onednn")}
+        per_graph[name] = "frozen" if tuner.choose(total) == "onednn" else "shared"
+        seconds[name] = total
+    kinds = set(per_graph.values())
+    flavor = kinds.pop() if len(kinds) == 1 else "mixed"
+    return flavor, per_graph, {**record, "chosen_by": "measurement", "graphs": per_graph, "linear_seconds": seconds}
 
 
 def check_machine(path, m: dict) -> str | None:

@@ -465,8 +465,9 @@ def _engine_decoder(method: Method, target_path, drafter_path):
 @click.option("--chunk", default=64, show_default=True, type=int, help="Prompt rows per prefill pass.")
 @click.option("--no-drafter", is_flag=True, help="Build autoregression only.")
 @click.option("--flavor", default=None, type=click.Choice(["frozen", "shared", "portable", "plugin"]),
-              help="aoti: frozen (default) compiles the weights into each package (oneDNN-packed linears on a "
-                   "CPU: fastest; a copy of the weights per package), shared gives all packages one copy at load. "
+              help="aoti: frozen compiles the weights into each package (oneDNN-packed linears on a CPU; a "
+                   "copy of the weights per package), shared gives all packages one copy at load (MKL); unset, "
+                   "each graph gets the one measured faster on this machine. "
                    "onnxruntime: portable (default) runs tree attention as standard ONNX ops; plugin as one "
                    "glance.TreeAttention node through glance-rt's compiled kernel library (needs --ort-include). "
                    "tensorrt: plugin only.")

@@ -68,6 +68,26 @@ def test_aoti_engine_vlm_and_autoregression(arch, flavor, tmp_path):
     assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == ref
 
 
+def test_aoti_engine_with_graphs_of_both_flavors_is_lossless(tmp_path):
+    """Left unset, the flavor is measured per graph: where the timings differ (here, an injected timer
+    in which oneDNN wins at the draft block's rows alone) the draft package is frozen and the others
+    shared, and the engine runs them together, losslessly."""
+    from glance_rt.models.kernels import KernelTuner
+    from tests.test_kernels import FakeTimer
+
+    target, model, processor = tiny_target("llama")
+    drafter = drafter_for(target)
+    inputs = make_inputs("llama", processor)
+    tuner = KernelTuner(FakeTimer(lambda o, i, r: r == drafter.block_size), cache=tmp_path / "k.json")
+    build_engine(target, drafter, tmp_path / "e", budgets=(6,), max_len=160, chunk=8, progress=False, tuner=tuner)
+    m = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    assert m["flavor"] == "mixed" and m["kernels"]["chosen_by"] == "measurement"
+    assert {g: info["flavor"] for g, info in m["graphs"].items()} == {
+        "prefill": "shared", "verify-7": "shared", "draft": "frozen", "context": "shared"}
+    dec = glance_rt.Decoder.from_engine(tmp_path / "e", target, drafter)
+    assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(model, inputs, NEW)
+
+
 def test_frozen_packages_hold_folded_weights_and_share_the_caches(llama_engine):
     """The frozen flavor: every package carries folded weights of its own (names no
     module has), and takes the caches from the running model, so the packages see each other's

@@ -11,7 +11,7 @@ from torch import nn
 import glance_rt
 from glance_rt import GlanceError
 from glance_rt.models import kernels as K
-from glance_rt.models.kernels import ChosenLinear, KernelPlan, KernelTuner, nearest_class
+from glance_rt.models.kernels import ChosenLinear, KernelPlan, KernelTuner, kernel_summary, nearest_class
 from glance_rt.models.linear import PackedLinear, can_pack
 from tests.conftest import hf_greedy, tiny_target
 from tests.tiny_models import make_inputs
@@ -70,11 +70,19 @@ def test_chosen_linear_is_linear_and_runs_the_chosen_kernel(rows, monkeypatch):
     used = []
     packed = chosen.packed
     monkeypatch.setattr(packed, "forward", lambda x: used.append("onednn") or PackedLinear.forward(packed, x))
-    monkeypatch.setattr(lin, "forward", lambda x: used.append("mkl") or nn.Linear.forward(lin, x))
     x = torch.randn(1, rows, 64)
     with torch.no_grad():
         torch.testing.assert_close(chosen(x), torch.nn.functional.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
-    assert used == ["onednn" if nearest_class(rows, (9, 64)) == 64 else "mkl"]
+    assert used == (["onednn"] if nearest_class(rows, (9, 64)) == 64 else [])  # else torch's own linear
+    assert kernel_summary(nn.Sequential(chosen)) == {"96x64": {9: "mkl", 64: "onednn"}}  # not its packed side
+
+
+def test_chosen_linear_thresholds_are_nearest_class():
+    classes = (1, 9, 33, 64)
+    chosen = ChosenLinear(nn.Linear(8, 8), (9, 64), classes, 9)
+    for rows in range(1, 200):
+        use = next(onednn for bound, onednn in chosen.steps if rows <= bound)
+        assert use == (nearest_class(rows, classes) in (9, 64)), rows
 
 
 def test_cache_hit_miss_stale_and_unreadable(tmp_path, monkeypatch):
@@ -151,13 +159,27 @@ def test_aoti_flavor_is_chosen_by_measurement(onednn_faster, flavor, tmp_path):
 
     target, _, _ = tiny_target("llama")
     timer = FakeTimer(lambda o, i, r: onednn_faster)
-    got, record = choose_flavor("aoti", None, target, [4, 8], KernelTuner(timer, cache=tmp_path / "k.json"))
-    assert got == flavor and record["chosen_by"] == "measurement" and record["verify_rows"] == 9
-    assert {r for _, _, r in timer.calls} == {9}  # the largest verify bucket's rows
+    got, graphs, record = choose_flavor("aoti", None, target, None, [4, 8], False, 16,
+                                        KernelTuner(timer, cache=tmp_path / "k.json"))
+    assert got == flavor and record["chosen_by"] == "measurement"
+    assert graphs == record["graphs"] == dict.fromkeys(["prefill", "verify-5", "verify-9"], flavor)
+    assert {r for _, _, r in timer.calls} == {1, 5, 9, K.PREFILL_ROWS}  # each graph's rows (prefill's head: 1)
     assert record["machine"]["cpu"] == K.cpu_model()
-    user, record = choose_flavor("aoti", "shared", target, [8])
-    assert user == "shared" and record["chosen_by"] == "user"
-    assert choose_flavor("onnxruntime", None, target, [8])[0] == "portable"
+    user, graphs, record = choose_flavor("aoti", "shared", target, None, [8], False, 16)
+    assert user == "shared" and graphs is None and record["chosen_by"] == "user"
+    assert choose_flavor("onnxruntime", None, target, None, [8], False, 16)[0] == "portable"
+
+
+def test_aoti_flavor_per_graph_is_mixed_where_the_graphs_differ(tmp_path):
+    from glance_rt.engines.engine import choose_flavor
+
+    target, _, _ = tiny_target("llama")
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=0)
+    timer = FakeTimer(lambda o, i, r: r == 4)  # oneDNN wins at the draft block's rows alone
+    got, graphs, record = choose_flavor("aoti", None, target, drafter, [8], False, 16,
+                                        KernelTuner(timer, cache=tmp_path / "k.json"))
+    assert got == "mixed" and graphs == {"prefill": "shared", "verify-9": "shared", "context": "shared",
+                                         "draft": "frozen"}
 
 
 def test_engine_built_on_another_cpu_warns():

@@ -38,18 +38,27 @@ from glance_rt.models.linear import PackedLinear, can_pack
 
 KERNELS = ("mkl", "onednn")  # mkl: torch's own linear; onednn: glance::packed_linear (prepacked weight)
 PREFILL_ROWS = 64  # the row class of prefill and long context passes
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: weights timed cold (time_linear); a file of another format is re-timed
 
 
 # ----------------------------------------------------------------------------- the machine
 
 
 def cpu_model() -> str:
-    """The CPU's model name (`/proc/cpuinfo` on Linux, else `platform.processor()`)."""
+    """The CPU's model name with its family/model/stepping numbers (`/proc/cpuinfo` on Linux; a
+    virtual machine often names every CPU alike, "Intel(R) Xeon(R) Processor"), else
+    `platform.processor()`."""
     try:
+        info = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if not line.strip():
+                break  # the first CPU is enough
+            key, _, value = line.partition(":")
+            info[key.strip()] = value.strip()
+        if "model name" in info:
+            ids = ", ".join(f"{name} {info[key]}" for key, name in
+                            (("cpu family", "family"), ("model", "model"), ("stepping", "stepping")) if key in info)
+            return f"{info['model name']} ({ids})" if ids else info["model name"]
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
@@ -57,7 +66,9 @@ def cpu_model() -> str:
 
 def _library_versions() -> dict:
     cfg = torch.__config__.show()
-    libs = [line.strip(" -") for line in cfg.splitlines() if any(k in line for k in ("MKL", "OneDNN", "oneDNN"))]
+    keys = ("Math Kernel Library", "MKL-DNN", "oneDNN", "OneDNN", "CPU capability")  # not the build flags
+    libs = [line.strip(" -") for line in cfg.splitlines()
+            if any(k in line for k in keys) and not line.strip(" -").startswith("Build settings")]
     return {"torch": torch.__version__, "libraries": libs}
 
 
@@ -81,29 +92,42 @@ def default_cache_path() -> Path:
 # ----------------------------------------------------------------------------- timing
 
 
+COLD_BYTES = 256 << 20  # weight copies cycled through while timing: more than any CPU cache
+
+
 def time_linear(out_features: int, in_features: int, rows: int, dtype: torch.dtype,
-                budget_s: float = 0.03, max_reps: int = 41) -> dict:
-    """Median seconds per call of each kernel for x [rows, in] @ W[out, in].T on this CPU: the two
-    kernels alternate (interleaved, so a load change hits both), 3 warm-up calls each, then until
-    each has run `budget_s` or `max_reps` calls (at least 5)."""
+                budget_s: float = 0.03, max_reps: int = 41, cold_bytes: int = COLD_BYTES) -> dict:
+    """Median seconds per call of each kernel for x [rows, in] @ W[out, in].T on this CPU, with the
+    weight cold as it is in a decoder pass (each layer's weight is read once per pass, and a model's
+    weights outgrow the caches): every call takes the next of enough copies of the weight to fill
+    `cold_bytes`, the oldest first. The two kernels alternate (interleaved, so a load change hits
+    both), 3 warm-up calls each, then until each has run `budget_s` or `max_reps` calls (at least 5)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=g, dtype=torch.float32).to(dtype)
     x = torch.randn(1, rows, in_features, generator=g, dtype=torch.float32).to(dtype)
-    packed = PackedLinear(w, None, rows)
-    runs = {"mkl": lambda: F.linear(x, w), "onednn": lambda: packed(x)}
+    copies = max(1, min(max_reps + 3, -(-cold_bytes // (w.numel() * w.element_size()))))
+    plain = [w.clone() for _ in range(copies)]
+    packed = [PackedLinear(wi, None, rows) for wi in plain]
+    calls = dict.fromkeys(("mkl", "onednn"), 0)
+
+    def run(kernel: str):
+        i = calls[kernel] % copies
+        calls[kernel] += 1
+        return F.linear(x, plain[i]) if kernel == "mkl" else packed[i](x)
+
     with torch.inference_mode():
-        for run in runs.values():
+        for kernel in calls:
             for _ in range(3):
-                run()
-        times: dict[str, list[float]] = {k: [] for k in runs}
-        spent = dict.fromkeys(runs, 0.0)
+                run(kernel)
+        times: dict[str, list[float]] = {k: [] for k in calls}
+        spent = dict.fromkeys(calls, 0.0)
         while len(times["mkl"]) < max_reps and (len(times["mkl"]) < 5 or min(spent.values()) < budget_s):
-            for k, run in runs.items():
+            for kernel in calls:
                 t0 = time.perf_counter()
-                run()
+                run(kernel)
                 dt = time.perf_counter() - t0
-                times[k].append(dt)
-                spent[k] += dt
+                times[kernel].append(dt)
+                spent[kernel] += dt
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -233,24 +257,32 @@ class ChosenLinear(nn.Module):
         self.linear = linear
         self.packed = PackedLinear(linear.weight, linear.bias, layout_rows)
         self.onednn_rows, self.classes = frozenset(onednn_rows), classes
+        # nearest_class as thresholds (geometric means of neighbouring classes): a few int compares a call
+        ordered = sorted(classes)
+        bounds = [math.sqrt(a * b) for a, b in zip(ordered, ordered[1:], strict=False)] + [math.inf]
+        self.steps = tuple((bound, c in self.onednn_rows) for bound, c in zip(bounds, ordered, strict=True))
 
     def forward(self, x: Tensor) -> Tensor:
-        if nearest_class(x.numel() // x.shape[-1], self.classes) in self.onednn_rows:
-            return self.packed(x)
-        return self.linear(x)
+        rows = x.numel() // x.shape[-1]
+        for bound, onednn in self.steps:
+            if rows <= bound:
+                return self.packed(x) if onednn else F.linear(x, self.linear.weight, self.linear.bias)
+        raise AssertionError("unreachable: the last bound is infinite")
 
 
 def kernel_summary(module: nn.Module) -> dict:
     """{"OUTxIN": kernel or {rows class: kernel}} for the linear layers inside `module`."""
     mods = list(module.modules())
-    inner = {id(m.linear) for m in mods if isinstance(m, ChosenLinear)}  # the MKL side of a ChosenLinear
+    inner = {id(side) for m in mods if isinstance(m, ChosenLinear) for side in (m.linear, m.packed)}  # its two sides
     out = {}
     for m in mods:
+        if id(m) in inner:
+            continue
         if isinstance(m, ChosenLinear):
             out[_shape(m.linear)] = {r: "onednn" if r in m.onednn_rows else "mkl" for r in m.classes}
         elif isinstance(m, PackedLinear):
             out[f"{m.out_features}x{m.in_features}"] = "onednn"
-        elif isinstance(m, nn.Linear) and id(m) not in inner:
+        elif isinstance(m, nn.Linear):
             out[_shape(m)] = "mkl"
     return out
 

@@ -10,8 +10,9 @@ The product is one named op, `glance::packed_linear`, whose packed weight is an 
 (`PackedWeight`): torch.compile keeps it as one extern call and fuses everything around it, so the
 compiled passes run the same oneDNN kernels as eager. (Inductor's own `_linear_pointwise` lowering
 wants weights it froze itself, and its fp32 freezing path packs for MKL, the slow kernel here.)
-Engines are exported from the plain weights. Training's response and feature stages pack the HF
-model for the duration of the stage (`packed_linears`); the HF modules are never left changed.
+Which layers get it is measured per machine (`kernels.py`). Engines are exported from the plain
+weights. Training's response and feature stages swap the HF model's linears for the duration of the
+stage (`swapped_linears`); the HF modules are never left changed.
 """
 
 from contextlib import contextmanager

@@ -211,7 +211,8 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
         manifest = read_manifest(Path(folder))
         autoregressive = manifest["source"]["drafter_weights"] is None  # an AR engine
         built_on = (manifest.get("kernels") or {}).get("machine", {}).get("cpu")
-        engines[Path(folder).name] = {"flavor": manifest.get("flavor"), "built_on": built_on,
+        graph_flavors = {g: info["flavor"] for g, info in manifest["graphs"].items() if "flavor" in info}
+        engines[Path(folder).name] = {"flavor": manifest.get("flavor"), "graphs": graph_flavors, "built_on": built_on,
                                       "same_cpu": built_on == cpu_model() if built_on else None,
                                       "chosen_by": (manifest.get("kernels") or {}).get("chosen_by")}
         dec = Decoder.from_engine(folder, target, None if autoregressive else drafter, lookup=0)
@@ -434,7 +435,10 @@ def markdown(report: dict) -> str:
                   "`glance_rt.models.kernels`):", ""] + [f"- {m}: {line}" for m, line in kernels.items()]
     for name, e in (report.get("engines") or {}).items():
         where = "an unrecorded CPU" if e["built_on"] is None else e["built_on"]
-        lines += ["", f"Engine {name}: flavor {e['flavor']} ({e['chosen_by'] or 'not recorded'}), built on {where}"
+        per_graph = (" (" + ", ".join(f"{g} {f}" for g, f in e["graphs"].items()) + ")"
+                     if e["flavor"] == "mixed" and e.get("graphs") else "")
+        lines += ["", f"Engine {name}: flavor {e['flavor']}{per_graph} ({e['chosen_by'] or 'not recorded'}), "
+                  f"built on {where}"
                   + (" — **not this CPU: its kernel choice was made for another**" if e["same_cpu"] is False else "")]
     if report["skipped"]:
         lines += ["", "Skipped: " + "; ".join(f"{m}: {why}" for m, why in report["skipped"].items())]
@@ -442,21 +446,24 @@ def markdown(report: dict) -> str:
 
 
 def kernel_line(choices: dict) -> str:
-    """`verify: 9 rows oneDNN 7/8, 64 rows oneDNN 3/8; draft: ...` from `Decoder.kernel_choices`."""
+    """`verify: oneDNN for 1536x576, 49152x576 at 9 rows (2 of 5 shapes; the rest torch's own); draft: ...`
+    from `Decoder.kernel_choices` (shape -> kernel, or -> {rows: kernel} where the row classes differ)."""
     parts = []
     for pass_name, shapes in choices.items():
-        per_rows: dict = {}
-        for k in shapes.values():
-            for rows, kernel in (k.items() if isinstance(k, dict) else [("all", k)]):
-                per_rows.setdefault(rows, []).append(kernel)
-        ordered = sorted(per_rows.items(), key=_rows_order)
-        parts.append(f"{pass_name}: " + ", ".join(f"{rows} rows oneDNN {ks.count('onednn')}/{len(ks)}"
-                                                  for rows, ks in ordered))
+        onednn = []
+        for shape, k in shapes.items():
+            if k == "onednn":
+                onednn.append(shape)
+            elif isinstance(k, dict) and "onednn" in k.values():
+                rows = sorted((r for r, kk in k.items() if kk == "onednn"), key=_rows_order)
+                onednn.append(f"{shape} at {', '.join(map(str, rows))} rows")
+        picked = ", ".join(onednn) if onednn else "none"
+        parts.append(f"{pass_name}: oneDNN for {picked} ({len(onednn)} of {len(shapes)} shapes; the rest torch's own)")
     return "; ".join(parts)
 
 
-def _rows_order(item) -> int:
-    rows = str(item[0])  # an int, or its JSON string, or "all"
+def _rows_order(rows) -> int:
+    rows = str(rows)  # an int, or its JSON string
     return int(rows) if rows.isdigit() else 1 << 30
 
 

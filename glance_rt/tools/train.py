@@ -200,7 +200,7 @@ def _generate_batch(target, rows: list[dict], cfg: TrainConfig) -> list[dict]:
 
 
 def open_store(target, cfg: TrainConfig):
-    """The run's response store, or None (call it before `packed_linears`: the key hashes the plain weights)."""
+    """The run's response store, or None (call it before the linears are swapped: the key hashes the plain weights)."""
     if not cfg.store:
         return None
     from glance_rt.tools.store import ResponseStore, store_key
