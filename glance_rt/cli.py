@@ -286,6 +286,39 @@ def train(target_path, prompts, images, out, num_layers, block_size, target_laye
                    + ", ".join(f"{k} {v['tau']:.2f}" for k, v in result["kinds"].items()))
 
 
+@main.command()
+@TARGET
+@click.option("--out", required=True, type=click.Path(), help="Prompts JSONL to write (for train --prompts).")
+@click.option("--count", default=1000, show_default=True, type=int, help="Prompts to keep.")
+@click.option("--batch", default=16, show_default=True, type=int, help="Samples per generate call.")
+@click.option("--max-tokens", default=128, show_default=True, type=int,
+              help="A sample still going at this length is dropped.")
+@click.option("--temperature", default=1.0, show_default=True, type=float)
+@click.option("--top-p", default=0.95, show_default=True, type=float)
+@click.option("--seed", default=0, show_default=True, type=int)
+def magpie(target_path, out, count, batch, max_tokens, temperature, top_p, seed):
+    """Prompts the target writes itself from its chat template's user-turn prefix (Magpie), filtered for
+    degenerate and duplicate ones, split train/held-out by text hash; resumable."""
+    from glance_rt.hf.target import load_target
+    from glance_rt.tools.magpie import MagpieConfig, make_prompts
+
+    try:
+        if count < 1 or batch < 1 or max_tokens < 1 or temperature <= 0 or not 0 < top_p <= 1:
+            raise GlanceError("--count, --batch and --max-tokens must be at least 1, --temperature above 0 and "
+                              "--top-p in (0, 1]")
+        target = load_target(target_path)
+        cfg = MagpieConfig(count, batch, max_tokens, temperature, top_p, seed)
+        summary = make_prompts(target, out, cfg)
+    except GlanceError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"magpie: {summary['prompts']} prompts ({summary['heldout']} held out) in {out} from "
+               f"{summary['samples']} samples in {summary['seconds']:.0f} s; dropped: "
+               + (", ".join(f"{k} {v}" for k, v in sorted(summary["dropped"].items())) or "none"))
+    if summary["prompts"] < count:
+        click.echo(f"[glance-rt] only {summary['prompts']} of {count} prompts after {summary['batches']} batches: "
+                   "the target repeats itself; raise --temperature or change --seed", err=True)
+
+
 @main.command("check-drafter")
 @click.argument("path", type=click.Path(), required=False)
 @click.option("--dflash", is_flag=True,

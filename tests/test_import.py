@@ -24,7 +24,7 @@ def test_lazy_names_resolve():
 
     homes = {"load_target": target, "Target": target, "init_drafter": drafter, "load_drafter": drafter,
              "GlanceDrafter": drafter, "DrafterConfig": drafter, "Decoder": loop, "GenerateResult": loop,
-             "Stats": loop, "Method": method, "GlanceError": errors, "Sampling": sample}
+             "Stats": loop, "Method": method, "GlanceError": errors, "GlanceWarning": errors, "Sampling": sample}
     assert set(glance_rt.__all__) == {*homes, "__version__"}
     for name, module in homes.items():
         assert getattr(glance_rt, name) is getattr(module, name), name
