@@ -21,7 +21,7 @@ from glance_rt.export.manifest import (
 )
 from glance_rt.hf.target import load_target
 from glance_rt.models.drafter import load_drafter
-from glance_rt.models.kernels import PREFILL_ROWS, KernelTuner, cpu_model, machine
+from glance_rt.models.kernels import KERNELS, PREFILL_ROWS, KernelTuner, cpu_model, machine
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
 from glance_rt.round.verify import Backend, static_graphs, static_passes, verify_rows
@@ -153,7 +153,7 @@ def choose_flavor(backend: str, flavor: str | None, target, drafter, budgets, ch
     times = tuner.timings(sorted({k for c in calls.values() for k in c}, key=str))
     per_graph, seconds = {}, {}
     for name, count in calls.items():
-        total = {k: sum(n * times[call][k] for call, n in count.items()) for k in ("mkl", "onednn")}
+        total = {k: sum(n * times[call][k] for call, n in count.items()) for k in KERNELS}
         per_graph[name] = "frozen" if tuner.choose(total) == "onednn" else "shared"
         seconds[name] = total
     kinds = set(per_graph.values())

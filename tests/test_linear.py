@@ -7,7 +7,7 @@ from torch import nn
 
 import glance_rt
 from glance_rt import GlanceError
-from glance_rt.models.linear import PackedLinear, can_pack, pack_module, packed_linears
+from glance_rt.models.linear import PackedLinear, can_pack, pack_module, packed, swapped_linears
 from tests.conftest import tiny_target
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="needs a CPU build with oneDNN (mkldnn)")
@@ -49,18 +49,18 @@ def test_decoder_prepacks_only_where_it_applies():
         glance_rt.Decoder(bf16, None, prepack=True)
 
 
-def test_packed_linears_runs_hf_generate_packed_and_puts_the_modules_back():
+def test_swapped_linears_runs_hf_generate_packed_and_puts_the_modules_back():
     target, _, _ = tiny_target("llama")
     model = target.hf_model
     before = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     ids = torch.tensor([[1, 5, 9, 2, 7]])
     with torch.inference_mode():
         want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
-        with packed_linears(model, 32):
+        with swapped_linears(model, lambda lin: packed(lin, 32)):
             assert not any(isinstance(m, nn.Linear) for m in model.modules())
             got = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
     assert torch.equal(got, want)
     assert {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)} == before  # the same objects
-    with pytest.raises(RuntimeError, match="boom"), packed_linears(model, 32):
+    with pytest.raises(RuntimeError, match="boom"), swapped_linears(model, lambda lin: packed(lin, 32)):
         raise RuntimeError("boom")
     assert {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)} == before

@@ -108,7 +108,7 @@ def time_linear(out_features: int, in_features: int, rows: int, dtype: torch.dty
     copies = max(1, min(max_reps + 3, -(-cold_bytes // (w.numel() * w.element_size()))))
     plain = [w.clone() for _ in range(copies)]
     packed = [PackedLinear(wi, None, rows) for wi in plain]
-    calls = dict.fromkeys(("mkl", "onednn"), 0)
+    calls = dict.fromkeys(KERNELS, 0)
 
     def run(kernel: str):
         i = calls[kernel] % copies
@@ -151,42 +151,45 @@ class KernelTuner:
             return None
         return default_cache_path() if self.cache in (None, True) else Path(self.cache)
 
-    def _file(self) -> tuple[str, dict]:
-        key = machine_key(machine())
-        path = self._path()
-        data = {}
-        if path is not None and path.exists():
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError):
-                data = {}  # unreadable cache: re-time (and rewrite it)
-            if data.get("format") != CACHE_FORMAT:
-                data = {}
-        return key, data
+    def _read(self, path: Path | None) -> dict:
+        """The cache file's contents ({} when absent, unreadable or of another format: re-time)."""
+        if path is None or not path.exists():
+            return {}
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}  # unreadable cache: re-time (and rewrite it)
+        return data if data.get("format") == CACHE_FORMAT else {}
 
     def timings(self, requests: list[tuple[int, int, int, torch.dtype]]) -> dict:
         """{(out, in, rows, dtype): {"mkl": s, "onednn": s}} for every request, timing only what
-        neither this tuner nor the cache file holds; new timings are written back (atomically)."""
-        key, data = self._file()
-        entries = data.setdefault("machines", {}).setdefault(key, {"machine": machine(), "timings": {}})["timings"]
-        out, new = {}, False
-        for req in dict.fromkeys(requests):
+        neither this tuner nor the cache file holds; new timings are written back (atomically). The
+        file is read only when this tuner lacks a request, and then all of its valid timings for this
+        machine are kept, so building a decoder's layers reads it about once."""
+        requests = list(dict.fromkeys(requests))
+        if any(_entry(*req) not in self._memo for req in requests):
+            self._fill(requests)
+        return {req: self._memo[_entry(*req)] for req in requests}
+
+    def _fill(self, requests) -> None:
+        m = machine()
+        path = self._path()
+        data = self._read(path)
+        entries = data.setdefault("machines", {}).setdefault(machine_key(m), {"machine": m, "timings": {}})["timings"]
+        self._memo.update({name: t for name, t in entries.items() if _valid(t) and name not in self._memo})
+        new = False
+        for req in requests:
             name = _entry(*req)
             if name not in self._memo:
-                if not _valid(entries.get(name)):
-                    entries[name] = self.timer(*req)
-                    new = True
-                self._memo[name] = entries[name]
-            out[req] = self._memo[name]
-        path = self._path()
+                entries[name] = self._memo[name] = self.timer(*req)
+                new = True
         if new and path is not None:
             data["format"] = CACHE_FORMAT
             try:
                 atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1, sort_keys=True)))
             except OSError as e:  # an unwritable cache costs a re-timing next time, nothing else
                 warnings.warn(f"could not write the kernel timing cache {path} ({e}); set GLANCE_RT_CACHE to a "
-                              "writable folder to keep them", GlanceWarning, stacklevel=2)
-        return out
+                              "writable folder to keep them", GlanceWarning, stacklevel=3)
 
     def choose(self, timing: dict) -> str:
         return "onednn" if timing["onednn"] < (1 - self.margin) * timing["mkl"] else "mkl"
@@ -281,11 +284,11 @@ def kernel_summary(module: nn.Module) -> dict:
         if isinstance(m, ChosenLinear):
             out[_shape(m.linear)] = {r: "onednn" if r in m.onednn_rows else "mkl" for r in m.classes}
         elif isinstance(m, PackedLinear):
-            out[f"{m.out_features}x{m.in_features}"] = "onednn"
+            out[_shape(m)] = "onednn"
         elif isinstance(m, nn.Linear):
             out[_shape(m)] = "mkl"
     return out
 
 
-def _shape(linear: nn.Linear) -> str:
+def _shape(linear: nn.Module) -> str:  # an nn.Linear or a PackedLinear
     return f"{linear.out_features}x{linear.in_features}"

@@ -101,8 +101,3 @@ def swapped_linears(module: nn.Module, make):
     finally:
         for parent, name, child in reversed(swaps):
             setattr(parent, name, child)
-
-
-def packed_linears(module: nn.Module, rows: int):
-    """`swapped_linears` with oneDNN-prepacked linears laid out for `rows` rows: same products."""
-    return swapped_linears(module, lambda lin: packed(lin, rows))

@@ -118,7 +118,7 @@ def _glance_runner(target, drafter, cfg: BenchConfig, method: Method, policy=Non
     each optionally @compile or @plain)."""
     if method.kind != "ar" and drafter is None:
         raise Skip("needs a drafter (pass --drafter, or use the default target's shipped one)")
-    return _decoder_runner(Decoder.from_method(method, target, drafter, cfg.max_length, policy), cfg)
+    return DecoderRunner(Decoder.from_method(method, target, drafter, cfg.max_length, policy), cfg)
 
 
 @dataclass(frozen=True)
@@ -132,10 +132,6 @@ class DecoderRunner:
         start = time.perf_counter()
         res = self.dec.generate(max_new_tokens=self.cfg.max_new_tokens, sampling=self.cfg.sampling, **inputs)
         return res.token_ids, time.perf_counter() - start, res.stats.timings["prefill"], res.stats
-
-
-def _decoder_runner(dec, cfg: BenchConfig) -> DecoderRunner:
-    return DecoderRunner(dec, cfg)
 
 
 def engine_method(dec, folder) -> str:
@@ -216,10 +212,10 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
                                       "same_cpu": built_on == cpu_model() if built_on else None,
                                       "chosen_by": (manifest.get("kernels") or {}).get("chosen_by")}
         dec = Decoder.from_engine(folder, target, None if autoregressive else drafter, lookup=0)
-        runners[engine_method(dec, folder)] = _decoder_runner(dec, cfg)
+        runners[engine_method(dec, folder)] = DecoderRunner(dec, cfg)
         if cfg.engine_lookup and not autoregressive and not dec.chain:
             dec = Decoder.from_engine(folder, target, drafter, lookup=DEFAULT_LOOKUP)
-            runners[engine_method(dec, folder)] = _decoder_runner(dec, cfg)
+            runners[engine_method(dec, folder)] = DecoderRunner(dec, cfg)
     calibration: dict[str, dict[int, list]] = {}  # backend -> budget -> rounds
     policy = None
     for inputs in encoded[: cfg.warmup]:
