@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import ast
 import gzip
-import hashlib
 import inspect
 import json
 import keyword
@@ -37,12 +36,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from glance_rt.errors import GlanceError
-from glance_rt.tools.suites import KINDS, SPLITS, default_corpus_path
+from glance_rt.tools.suites import HELDOUT_FRACTION, KINDS, SPLITS, default_corpus_path, split_of
 
 if TYPE_CHECKING:
     from PIL.Image import Image as PILImage
 
-HELDOUT_FRACTION = 0.15
 MAX_PROMPT_CHARS = 1200
 MAX_PROMPT_TOKENS = 270  # by approx_tokens(); about 300 real SmolLM2 tokens at worst for most prompts
 MAX_DOC_CHARS = 850
@@ -1384,12 +1382,6 @@ def collect_docs() -> tuple[Doc, ...]:
     return tuple(out)
 
 
-def split_of(unit: str, seed: int = 0) -> str:
-    """'heldout' for about HELDOUT_FRACTION of the units (by a seeded hash), else 'train'."""
-    digest = hashlib.sha256(f"glance-corpus:{seed}:{unit}".encode()).digest()
-    return "heldout" if int.from_bytes(digest[:8], "big") / 2**64 < HELDOUT_FRACTION else "train"
-
-
 def heldout_count(per_kind: int) -> int:
     """Held-out prompts per kind: HELDOUT_FRACTION of ``per_kind``, at least one."""
     return max(1, math.ceil(per_kind * HELDOUT_FRACTION))
@@ -1429,7 +1421,7 @@ def build_corpus(seed: int = 0, per_kind: int = 500) -> list[dict]:
         raise GlanceError(f"corpus: per_kind must be at least 2 (got {per_kind})")
     by_split: dict[str, dict[str, list[Doc]]] = {s: {} for s in SPLITS}
     for doc in collect_docs():
-        by_split[split_of(doc.unit, seed)].setdefault(doc.kind, []).append(doc)
+        by_split[split_of(f"glance-corpus:{seed}:{doc.unit}")].setdefault(doc.kind, []).append(doc)
     rows: list[dict] = []
     seen: set[str] = set()
     for kind in KINDS:

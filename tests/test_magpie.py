@@ -35,8 +35,8 @@ def test_filters_and_split():
     assert [r["prompt"] for r in rows] == [texts[0], texts[4]]
     assert dropped == {"no end of turn": 1, "duplicate": 2}  # same text; same first 8 words
     assert all(r["kind"] == "chat" and r["source"] == "magpie" for r in rows)
-    assert M.split_of("Some prompt.") == M.split_of("some   PROMPT") in ("train", "heldout")
-    splits = [M.split_of(f"prompt number {i}") for i in range(2000)]
+    assert M.text_split("Some prompt.") == M.text_split("some   PROMPT") in ("train", "heldout")
+    splits = [M.text_split(f"prompt number {i}") for i in range(2000)]
     assert 0.11 < splits.count("heldout") / len(splits) < 0.19
 
 

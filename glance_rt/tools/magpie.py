@@ -8,7 +8,7 @@ A sample is kept when it ended its turn (the end-of-turn token came before `max_
 between `MIN_CHARS` and `MAX_CHARS` characters with mostly letters, does not repeat itself (no
 word 4-gram three times), holds no template markup, and is new: its normalised text and its first
 `PREFIX_WORDS` words are unseen. Each prompt gets kind "chat", source "magpie", and a held-out split
-by a hash of its normalised text (HELDOUT_FRACTION, as the shipped corpus), so a held-out prompt
+by a hash of its normalised text (`suites.split_of`, as the shipped corpus), so a held-out prompt
 never has a training twin.
 
 `glance-rt magpie --count N --out FILE.jsonl` writes FILE.jsonl (rows `read_prompts` and
@@ -16,10 +16,10 @@ never has a training twin.
 keeps those parts and continues.
 """
 
-import hashlib
 import json
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +27,9 @@ import torch
 
 from glance_rt.errors import GlanceError
 from glance_rt.files import atomic_write
+from glance_rt.tools.suites import split_of
 
 SENTINEL = "\u2063MAGPIE\u2063"  # stands for the user's text while the template renders
-HELDOUT_FRACTION = 0.15
 MIN_CHARS, MAX_CHARS = 12, 1200
 PREFIX_WORDS = 8
 
@@ -78,9 +78,9 @@ def degenerate(text: str) -> str | None:
     return None
 
 
-def split_of(text: str, seed: int = 0) -> str:
-    digest = hashlib.sha256(f"{seed}:{normalise(text)}".encode()).digest()
-    return "heldout" if int.from_bytes(digest[:8], "big") / 2**64 < HELDOUT_FRACTION else "train"
+def text_split(text: str, seed: int = 0) -> str:
+    """The held-out split of a prompt by its normalised text (`suites.split_of`)."""
+    return split_of(f"{seed}:{normalise(text)}")
 
 
 def sample_batch(target, prefix: list[int], cfg: MagpieConfig, index: int) -> list[str | None]:
@@ -104,7 +104,7 @@ def sample_batch(target, prefix: list[int], cfg: MagpieConfig, index: int) -> li
 
 def keep(texts, seen: set, seed: int) -> tuple[list[dict], dict]:
     """The new, usable prompts of `texts` (updating `seen`), and a count of why the rest were dropped."""
-    rows, dropped = [], {}
+    rows, dropped = [], Counter()
     for text in texts:
         why = "no end of turn" if text is None else degenerate(text)
         if why is None:
@@ -112,10 +112,10 @@ def keep(texts, seen: set, seed: int) -> tuple[list[dict], dict]:
             keys = (norm, "prefix:" + " ".join(norm.split()[:PREFIX_WORDS]))
             why = "duplicate" if any(k in seen for k in keys) else None
         if why is not None:
-            dropped[why] = dropped.get(why, 0) + 1
+            dropped[why] += 1
             continue
         seen.update(keys)
-        rows.append({"id": None, "kind": "chat", "split": split_of(text, seed), "prompt": text, "source": "magpie"})
+        rows.append({"id": None, "kind": "chat", "split": text_split(text, seed), "prompt": text, "source": "magpie"})
     return rows, dropped
 
 
@@ -135,7 +135,7 @@ def make_prompts(target, out, cfg: MagpieConfig, progress: bool = True) -> dict:
                           "delete it or pick another --out")
     atomic_write(meta_file, lambda tmp: tmp.write_text(json.dumps(meta)))
     prefix = user_prefix(target)
-    rows, seen, dropped, index = [], set(), {}, 0
+    rows, seen, dropped, index = [], set(), Counter(), 0
     limit = cfg.max_batches if cfg.max_batches is not None else 20 * -(-cfg.count // cfg.batch)
     bar = tqdm(total=cfg.count, desc="magpie prompts", unit="prompt", disable=not progress)
     start = time.perf_counter()
@@ -148,8 +148,7 @@ def make_prompts(target, out, cfg: MagpieConfig, progress: bool = True) -> dict:
             record = json.dumps({"index": index, "samples": texts})
             atomic_write(part, lambda tmp, r=record: tmp.write_text(r))
         new, why = keep(texts, seen, cfg.seed)
-        for k, v in why.items():
-            dropped[k] = dropped.get(k, 0) + v
+        dropped += why
         new = new[: cfg.count - len(rows)]
         rows += new
         bar.update(len(new))
@@ -157,10 +156,10 @@ def make_prompts(target, out, cfg: MagpieConfig, progress: bool = True) -> dict:
         index += 1
     bar.close()
     if not rows:
-        raise GlanceError(f"no usable prompt in {index} batches (dropped: {dropped}); raise --max-tokens or "
+        raise GlanceError(f"no usable prompt in {index} batches (dropped: {dict(dropped)}); raise --max-tokens or "
                           "--temperature")
     for i, row in enumerate(rows, 1):
         row["id"] = f"magpie-{cfg.seed}-{i:06d}"
     atomic_write(out, lambda tmp: tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)))
-    return {"prompts": len(rows), "batches": index, "samples": index * cfg.batch, "dropped": dropped,
+    return {"prompts": len(rows), "batches": index, "samples": index * cfg.batch, "dropped": dict(dropped),
             "heldout": sum(r["split"] == "heldout" for r in rows), "seconds": time.perf_counter() - start}

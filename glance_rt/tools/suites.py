@@ -1,6 +1,7 @@
 """Prompt suites for train, bench and audit: the shipped corpus (`glance_rt/data/prompts.jsonl`,
 built by `scripts/build_corpus.py`) and its reader, held-out suites per task kind, or a user's JSONL."""
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -10,6 +11,14 @@ from glance_rt.files import open_images
 
 KINDS = ("extraction", "conversion", "grounded_qa", "code", "chat")  # decreasing grounding
 SPLITS = ("train", "heldout")
+HELDOUT_FRACTION = 0.15
+
+
+def split_of(key: str) -> str:
+    """'heldout' for about HELDOUT_FRACTION of keys (by the SHA-256 of `key`), else 'train': the held-out
+    split of the shipped corpus (keyed by source document) and of magpie prompts (keyed by text)."""
+    digest = hashlib.sha256(key.encode()).digest()
+    return "heldout" if int.from_bytes(digest[:8], "big") / 2**64 < HELDOUT_FRACTION else "train"
 
 
 def default_corpus_path() -> Path:
