@@ -254,11 +254,17 @@ def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> 
               help="Response store folder: answers found there are reused, new ones are added (docs/training.md).")
 @click.option("--init-from", type=click.Path(), default=None,
               help="Start from this drafter folder's weights (same shape and target layers) instead of a random init.")
+@click.option("--features", "feature_mode", type=click.Choice(["cached", "online"]), default="cached",
+              show_default=True,
+              help="'cached': the target's features are written to disk once (stage 2); 'online': the target "
+                   "computes them inside each training step (no cache; for corpora larger than the disk).")
+@click.option("--until", type=click.Choice(["responses", "features", "train"]), default="train", show_default=True,
+              help="Last stage to run: 'responses' only fills --store (and --out) with the target's answers.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its last complete stage/checkpoint.")
 def train(target_path, prompts, images, out, num_layers, block_size, target_layer_ids, response_tokens,
           response_batch, steps, batch_size, blocks_per_seq, lr, gamma, seed, save_every, eval_every,
           eval_per_kind, eval_budget, eval_lookup, limit, per_kind, bf16, draft_vocab, mask_token_id,
-          learned_mask, store, init_from, resume):
+          learned_mask, store, init_from, feature_mode, until, resume):
     """Train a GLANCE drafter for a target by self-distillation (resumable; torchrun for data parallel)."""
     try:
         from glance_rt.hf.target import load_target
@@ -272,11 +278,14 @@ def train(target_path, prompts, images, out, num_layers, block_size, target_laye
                           seed=seed, save_every=save_every, eval_every=eval_every, eval_per_kind=eval_per_kind,
                           eval_budget=eval_budget, eval_lookup=eval_lookup, limit=limit, per_kind=per_kind,
                           bf16=bf16, draft_vocab=draft_vocab or None, mask_token_id=mask_token_id,
-                          learned_mask=learned_mask, store=store, init_from=init_from, resume=resume)
+                          learned_mask=learned_mask, store=store, init_from=init_from, features=feature_mode,
+                          until=until, resume=resume)
         target = load_target(target_path)
         drafter, result = run_training(target, cfg)
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
+    if until != "train":
+        click.echo(f"stopped after the {until} stage in {out}" + (f"; response store: {store}" if store else ""))
     if result is not None:
         problems = drafter.config.dflash_problems()
         click.echo(f"drafter: {out}/drafter (DFlash-compatible: "

@@ -1436,14 +1436,15 @@ def build_corpus(seed: int = 0, per_kind: int = 500) -> list[dict]:
 
 
 def write_corpus(path: str | os.PathLike, rows: Iterable[dict]) -> Path:
-    """Write rows as JSONL atomically (temp file in the same folder, then ``os.replace``)."""
+    """Write rows as JSONL atomically (temp file in the same folder, then ``os.replace``); gzip-compressed
+    (with no timestamp, so the same rows give the same bytes) when the name ends in .gz."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
-            for row in rows:
-                fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+        data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(gzip.compress(data, mtime=0) if path.suffix == ".gz" else data)
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; a shipped data file should be world-readable
         os.replace(tmp, path)
     except BaseException:

@@ -19,7 +19,7 @@ def responses(out):
 def run_responses(target, cfg, name, tmp_path):
     out = tmp_path / name
     out.mkdir()
-    T.stage_responses(target, T.training_rows(T.load_rows(cfg), None), cfg, out, 0, 1, T.open_store(target, cfg))
+    T.stage_responses(target, T.training_rows(T.load_rows(cfg), None), [], cfg, out, 0, 1, T.open_store(target, cfg))
     return responses(out)
 
 
@@ -35,7 +35,8 @@ def test_store_reuses_answers_and_generates_only_what_it_lacks(tmp_path, monkeyp
     generate = T._generate_batch
     monkeypatch.setattr(T, "_generate_batch", lambda t, rows, c: asked.extend(rows) or generate(t, rows, c))
     again = run_responses(target, cfg, "b", tmp_path)
-    assert [r["id"] for r in asked] == [r["id"] for r in plain[4:]]  # only the 3 the store lacked
+    stored = {r["id"] for r in first}
+    assert [r["id"] for r in asked] == [r["id"] for r in plain if r["id"] not in stored]  # only the 3 it lacked
     assert again == plain  # the same rows and answers as generating them all
     parts = sorted(p.name for p in store.iterdir())
     assert len(parts) == 2 and all(p.startswith("part-") and p.endswith(".npz") for p in parts)  # no temp files

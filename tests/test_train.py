@@ -92,8 +92,13 @@ def test_end_to_end_resume_and_reproducibility(tmp_path, monkeypatch):
     out = tmp_path / "a"
     assert drafter.config.draft_vocab_size == 40  # the 40 most frequent response tokens
     assert torch.equal(drafter.draft_vocab, choose_draft_vocab(out, 1, 40, target.vocab_size))
-    assert sorted(p.name for p in (out / "responses").iterdir()) == ["part-00000.jsonl"]
-    assert (out / "features" / "part-00000.safetensors").exists()
+    assert sorted(p.name for p in (out / "responses").iterdir()) == ["heldout.jsonl", "part-00000.jsonl"]
+    assert sorted(p.name for p in (out / "features").iterdir()) == ["heldout.safetensors", "part-00000.safetensors"]
+    history = json.loads((out / "history.json").read_text())
+    assert [e["step"] for e in history["steps"]] == [3, 6]  # every checkpoint scored on the held-out set
+    assert all(e["heldout_loss"] > 0 and 1 <= e["heldout_tau_chain"] <= cfg.block_size for e in history["steps"])
+    best = out / "checkpoints" / f"step-{history['best_step']:06d}"
+    assert all(torch.equal(v.to(torch.bfloat16), weights(out / "drafter")[k]) for k, v in weights(best).items())
     assert (out / "drafter" / "config.json").exists() and (out / "eval.json").exists()
     assert set(result["kinds"]) == {"extraction", "chat"}  # the held-out kinds
     assert result["overall"]["tau"] >= 1.0
@@ -261,3 +266,82 @@ def test_init_from_continues_a_glance_only_drafter_in_dflash_form(tmp_path):
     check_dflash(dst)
     with pytest.raises(GlanceError, match="num_hidden_layers"):
         start_from(glance_rt.init_drafter(target, num_layers=2), tmp_path / "src")
+
+
+def test_online_features_train_the_same_drafter_as_cached_ones(tmp_path):
+    """--features online: no feature cache, the target computes each step's features, by the same
+    modules as the feature stage: the same drafter bit for bit, and the same held-out history."""
+    target, _, _ = tiny_target("llama")
+    cfg = small_cfg(tmp_path, "cached")
+    train(target, cfg)
+    train(target, replace(cfg, out=str(tmp_path / "online"), features="online"))
+    assert not (tmp_path / "online" / "features").exists()
+    wa, wb = weights(tmp_path / "cached" / "drafter"), weights(tmp_path / "online" / "drafter")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    ha, hb = (json.loads((tmp_path / n / "history.json").read_text()) for n in ("cached", "online"))
+    assert ha == hb
+
+
+def test_the_best_checkpoint_by_heldout_loss_is_kept_and_shipped(tmp_path, monkeypatch):
+    import glance_rt.tools.train as tm
+
+    target, _, _ = tiny_target("llama")
+    cfg = small_cfg(tmp_path, steps=12)
+    scores = iter([0.9, 0.5, 0.7, 0.8])  # held-out loss at steps 3, 6, 9, 12: step 6 is the best
+    monkeypatch.setattr(tm.Trainer, "validate", lambda self: {"heldout_loss": next(scores), "heldout_tau_chain": 1.0})
+    train(target, cfg)
+    out = tmp_path / "run"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000006", "step-000009", "step-000012"]
+    history = json.loads((out / "history.json").read_text())
+    assert history["best_step"] == 6 and [e["heldout_loss"] for e in history["steps"]] == [0.9, 0.5, 0.7, 0.8]
+    best, last = weights(out / "checkpoints" / "step-000006"), weights(out / "checkpoints" / "step-000012")
+    shipped = weights(out / "drafter")
+    assert all(torch.equal(v.to(torch.bfloat16), shipped[k]) for k, v in best.items())
+    assert not all(torch.equal(v.to(torch.bfloat16), shipped[k]) for k, v in last.items())
+
+
+def test_until_responses_fills_the_store_then_a_resume_trains(tmp_path):
+    from glance_rt.tools.store import ResponseStore, store_key
+
+    target, _, _ = tiny_target("llama")
+    cfg = small_cfg(tmp_path, store=str(tmp_path / "store"), until="responses")
+    assert train(target, cfg) == (None, None)
+    out = tmp_path / "run"
+    assert not (out / "features").exists() and not (out / "checkpoints").exists()
+    assert len(ResponseStore(tmp_path / "store", store_key(target, cfg.response_tokens))) == len(PROMPTS)
+    drafter, result = train(target, replace(cfg, until="train", resume=True))
+    assert (out / "drafter" / "model.safetensors").exists() and result["overall"]["tau"] >= 1.0
+
+
+def test_training_rows_take_the_kinds_in_turn():
+    from glance_rt.tools.train import training_rows
+
+    kinds = [("a", "train"), ("a", "train"), ("a", "train"), ("b", "train"), ("b", "heldout"), ("c", "train")]
+    rows = [{"kind": k, "split": s, "id": str(i)} for i, (k, s) in enumerate(kinds)]
+    assert [r["id"] for r in training_rows(rows, None)] == ["0", "3", "5", "1", "2"]
+    assert [r["id"] for r in training_rows(rows, 1)] == ["0", "3", "5"]
+
+
+@pytest.mark.full
+def test_ablation_script_runs_each_variant_once_and_summarises(tmp_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    import ablate
+
+    model, processor = make_tiny("llama")
+    model.save_pretrained(tmp_path / "model")
+    processor.save_pretrained(tmp_path / "model")
+    common = ["--target", str(tmp_path / "model"), "--prompts", str(write_prompts(tmp_path / "prompts.jsonl")),
+              "--num-layers", "1", "--response-tokens", "12", "--steps", "4", "--save-every", "2",
+              "--eval-per-kind", "1", "--no-bf16", "--features", "online"]
+    out = tmp_path / "abl"
+    assert ablate.main(["--out", str(out), "--vary", "block-size=2,4", "--", *common]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["value"] for r in summary["runs"]] == ["2", "4"]
+    for r in summary["runs"]:
+        cfg = json.loads((out / f"block-size-{r['value']}" / "eval.json").read_text())["config"]
+        assert cfg["block_size"] == int(r["value"]) and cfg["features"] == "online"
+        assert r["responses"] == 7 and r["tau"] >= 1.0 and r["best_step"] in (2, 4)
+    assert (out / "summary.md").read_text().count("\n") == 4
+    stamp = (out / "block-size-2" / "eval.json").stat().st_mtime_ns
+    ablate.main(["--out", str(out), "--vary", "block-size=2,4", "--", *common])  # finished runs are not redone
+    assert (out / "block-size-2" / "eval.json").stat().st_mtime_ns == stamp

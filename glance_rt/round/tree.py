@@ -53,6 +53,12 @@ def prompt_lookup(history: np.ndarray, max_ngram: int, length: int) -> list[int]
     return []
 
 
+def lookup_rows(depth: int, budget: int) -> int:
+    """How many rows a prompt-lookup chain may take: no deeper than the draft block, and at most
+    half the budget, so the drafter's own candidates keep the rest."""
+    return min(depth, budget // 2)
+
+
 def graft(tokens: list, parent: list, depth: list, chain: list[int]) -> dict:
     """Append root -> chain[0] -> chain[1] ... to the tree lists (the root is node 0).
     Returns {(parent, token): node} of the grafted nodes."""
@@ -110,7 +116,7 @@ def build_tree(draft_logits: Tensor | None, root: int, budget: int, chain: bool 
     width = 1 if chain else min(budget, lp.shape[-1])
     top_lp, top_ids = (x.cpu() for x in torch.topk(lp, width, dim=-1))  # [D, K]: only these reach the host
     top_ids = top_ids.numpy() if vocab is None else vocab[top_ids.numpy()]
-    lookup = [] if chain else list(lookup)[: min(len(lp), budget // 2)]
+    lookup = [] if chain else list(lookup)[: lookup_rows(len(lp), budget)]
     tokens, parent, depth = best_first(top_lp.numpy(), top_ids, budget, lookup)
     tokens[0] = root
     size = min(budget, len(lp)) + 1 if chain else budget + 1

@@ -1,6 +1,7 @@
 """Prompt suites for train, bench and audit: the shipped corpus (`glance_rt/data/prompts.jsonl`,
 built by `scripts/build_corpus.py`) and its reader, held-out suites per task kind, or a user's JSONL."""
 
+import gzip
 import hashlib
 import json
 import os
@@ -27,7 +28,8 @@ def default_corpus_path() -> Path:
 
 
 def read_prompts(path: str | os.PathLike) -> list[dict]:
-    """Load and validate a prompts JSONL file: one object per line with a non-empty ``prompt``.
+    """Load and validate a prompts JSONL file (gzip-compressed when its name ends in .gz): one object
+    per line with a non-empty ``prompt``.
 
     Optional fields: ``kind`` (str), ``images`` (list of paths), ``id`` (str; defaults to ``line-N``) and
     ``split`` ("train" or "heldout"); other fields are kept. Blank lines are skipped. Raises GlanceError
@@ -35,10 +37,11 @@ def read_prompts(path: str | os.PathLike) -> list[dict]:
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
+        text = (gzip.decompress(data) if path.suffix == ".gz" else data).decode("utf-8")
     except FileNotFoundError:
         raise GlanceError(f"{path}: no such prompts file") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
         raise GlanceError(f"{path}: cannot read prompts file as UTF-8 text ({exc})") from None
     rows, ids = [], set()
     for lineno, line in enumerate(text.splitlines(), 1):

@@ -3,8 +3,14 @@
 Stages, each cached under `--out` and skipped when done:
   1. responses  the target's own greedy answers to the prompts        responses/part-*.jsonl
   2. features   one target forward per sequence, chosen layers' states  features/part-*.safetensors
+                (`--features online`: no cache; the target computes them inside each training step)
   3. training   anchored blocks, CE through the frozen lm_head           checkpoints/step-*/, drafter/
+                held-out loss and chain tau at every checkpoint, the best kept  history.json, history.png
   4. eval       mean accepted length tau per kind on held-out prompts    eval.json
+The held-out prompts (the first `eval_per_kind` of each kind) get responses and features too
+(responses/heldout.jsonl, features/heldout.safetensors): validation reads them at each checkpoint, and
+the drafter written at the end is the checkpoint with the lowest held-out loss, so memorisation shows
+in history.json and stops at its best point.
 Every file is written to a temp name then renamed, so a killed run (even kill -9) leaves only
 complete parts; `--resume` continues from them. Data parallel: run under
 `torchrun --nproc_per_node N -m glance_rt.cli train ...` (gloo on CPU): prompts and batches are split
@@ -12,6 +18,8 @@ across ranks, gradients all-reduced, rank 0 writes checkpoints.
 """
 
 import copy
+import functools
+import itertools
 import json
 import math
 import os
@@ -41,6 +49,8 @@ from glance_rt.models.linear import swapped_linears
 from glance_rt.round.loop import Decoder
 from glance_rt.tools.suites import cap_per_kind, default_corpus_path, read_prompts
 
+FEATURE_MODES = ("cached", "online")
+STAGES = ("responses", "features", "train")  # in order; TrainConfig.until names the last one to run
 PART_SIZE = 64  # prompts per response/feature part file
 PACK_ROWS = 32  # the row class timed for the response and feature stages (and oneDNN's layout hint)
 
@@ -79,6 +89,8 @@ class TrainConfig:
     eval_tokens: int = 128
     limit: int | None = None  # use only the first N prompts (smoke runs)
     per_kind: int | None = None  # train on at most N prompts of each kind (held-out prompts are never trained on)
+    features: str = "cached"  # "cached": stage 2 writes them to disk; "online": the target computes them in the step
+    until: str = "train"  # the last stage to run: "responses" (fill a store), "features" or "train"
     resume: bool = False
 
     def identity(self) -> dict:
@@ -155,8 +167,13 @@ def load_rows(cfg: TrainConfig) -> list[dict]:
 
 
 def training_rows(rows: list[dict], per_kind: int | None) -> list[dict]:
-    """The prompts responses and features are made for: the train split, at most `per_kind` of each kind."""
-    return cap_per_kind([r for r in rows if r["split"] == "train"], per_kind)
+    """The prompts responses and features are made for: the train split, at most `per_kind` of each kind,
+    the kinds taken in turn (so a run stopped part way, or a store filled part way, is balanced)."""
+    by_kind: dict[str, list[dict]] = {}
+    for r in cap_per_kind([r for r in rows if r["split"] == "train"], per_kind):
+        by_kind.setdefault(r["kind"], []).append(r)
+    turns = itertools.zip_longest(*by_kind.values())
+    return [r for turn in turns for r in turn if r is not None]
 
 
 def _parts(rows: list, size: int = PART_SIZE) -> list[list]:
@@ -208,10 +225,24 @@ def open_store(target, cfg: TrainConfig):
     return ResponseStore(cfg.store, store_key(target, cfg.response_tokens))
 
 
-def stage_responses(target, rows: list[dict], cfg: TrainConfig, out: Path, rank: int, world: int,
-                    store=None) -> None:
-    """responses/part-*.jsonl; with a response store (`open_store`), its answers are reused and new ones
-    added to it."""
+def heldout_rows(rows: list[dict], per_kind: int) -> list[dict]:
+    """The held-out prompts that validation and the tau eval use: the first `per_kind` of each kind."""
+    held: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["split"] == "heldout" and len(held.setdefault(r["kind"], [])) < per_kind:
+            held[r["kind"]].append(r)
+    return [r for kind in held.values() for r in kind]
+
+
+def stage_responses(target, rows: list[dict], held: list[dict], cfg: TrainConfig, out: Path, rank: int,
+                    world: int, store=None) -> None:
+    """responses/part-*.jsonl for the training `rows` and responses/heldout.jsonl for the `held` ones;
+    with a response store (`open_store`), its answers are reused and new ones added to it."""
+    answer = _generate_batch if store is None else (lambda t, r, c: _stored_batch(store, r, c, t))
+    path = out / "responses" / "heldout.jsonl"
+    if rank == 0 and held and not path.exists():
+        result = answer(target, held, cfg)
+        atomic_write(path, lambda p, r=result: p.write_text("".join(json.dumps(x) + "\n" for x in r)))
     parts = _parts(rows)
     done = sum((out / "responses" / f"part-{i:05d}.jsonl").exists() for i in range(len(parts)))
     bar = _bar(len(rows), "responses", rank, initial=min(done * PART_SIZE, len(rows)))
@@ -219,10 +250,7 @@ def stage_responses(target, rows: list[dict], cfg: TrainConfig, out: Path, rank:
         path = out / "responses" / f"part-{i:05d}.jsonl"
         if path.exists():
             continue
-        if store is None:
-            result = _generate_batch(target, parts[i], cfg)
-        else:
-            result = _stored_batch(store, parts[i], cfg, target)
+        result = answer(target, parts[i], cfg)
         atomic_write(path, lambda p, r=result: p.write_text("".join(json.dumps(x) + "\n" for x in r)))
         bar.update(len(parts[i]) * world)
     bar.close()
@@ -279,6 +307,9 @@ def capture_features(target, inputs: dict, layer_ids: tuple[int, ...]) -> Tensor
 
 
 def stage_features(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world: int, n_parts: int) -> None:
+    held = out / "features" / "heldout.safetensors"
+    if rank == 0 and (out / "responses" / "heldout.jsonl").exists() and not held.exists():
+        _write_features(target, cfg, out / "responses" / "heldout.jsonl", held, layer_ids)
     done = sum((out / "features" / f"part-{i:05d}.safetensors").exists() for i in range(n_parts))
     bar = _bar(n_parts, "features", rank, initial=done)
     for i in range(rank, n_parts, world):
@@ -295,45 +326,69 @@ def _write_features(target, cfg: TrainConfig, responses: Path, path: Path, layer
     from safetensors.torch import save_file
 
 
-    rows = [json.loads(x) for x in responses.read_text().splitlines() if x]
     tensors, meta = {}, []
-    for j, r in enumerate(rows):
-        inputs = target.encode_chat(r["prompt"], open_images(r, cfg.images))
-        resp = r["response_ids"][: max(cfg.max_seq_len - len(r["prompt_ids"]), 0)]
-        if len(resp) < 2:
-            continue
-        feats = capture_features(target, extend_inputs(inputs, resp), layer_ids)
-        ids = torch.tensor(r["prompt_ids"] + resp)
-        assert feats.shape[0] == len(ids), "features must cover every row"
-        tensors[f"{j}.features"] = feats.to(torch.bfloat16).contiguous()
-        tensors[f"{j}.ids"] = ids
-        meta.append({"key": str(j), "id": r["id"], "kind": r["kind"], "split": r["split"],
-                     "prompt_len": len(r["prompt_ids"])})
+    for j, seq in enumerate(read_sequences(responses, cfg)):
+        tensors[f"{j}.features"] = sequence_features(target, cfg, seq, layer_ids)
+        tensors[f"{j}.ids"] = seq.ids
+        meta.append({"key": str(j), "id": seq.row["id"], "kind": seq.kind, "split": seq.row["split"],
+                     "prompt_len": seq.prompt_len})
     atomic_write(path, lambda p: save_file(tensors, p, metadata={"rows": json.dumps(meta)}))
 
 
 @dataclass
 class Sequence:
-    features: Tensor  # [L, F] bf16
-    ids: Tensor  # [L]
+    features: Tensor | None  # [L, F] bf16; None until the target computes them (online mode)
+    ids: Tensor  # [L] prompt then response ids
     prompt_len: int
     kind: str
+    row: dict | None = None  # its response row (what the target re-encodes for online features)
 
 
-def load_features(out: Path, n_parts: int, split: str = "train") -> list[Sequence]:
-    from safetensors import safe_open
-
+def read_sequences(responses: Path, cfg: TrainConfig) -> list[Sequence]:
+    """The sequences of a responses file, without features: each response cut to fit max_seq_len,
+    and those left with fewer than 2 tokens dropped (no anchor with a target)."""
     seqs = []
-    for i in range(n_parts):
-        with safe_open(out / "features" / f"part-{i:05d}.safetensors", "pt") as f:
-            for m in json.loads(f.metadata()["rows"]):
-                if m["split"] == split:
-                    seqs.append(Sequence(f.get_tensor(f"{m['key']}.features"), f.get_tensor(f"{m['key']}.ids"),
-                                         m["prompt_len"], m["kind"]))
+    for line in responses.read_text().splitlines():
+        if line:
+            r = json.loads(line)
+            resp = r["response_ids"][: max(cfg.max_seq_len - len(r["prompt_ids"]), 0)]
+            if len(resp) >= 2:
+                seqs.append(Sequence(None, torch.tensor(r["prompt_ids"] + resp), len(r["prompt_ids"]), r["kind"],
+                                     {**r, "response_ids": resp}))
     return seqs
 
 
-# ----------------------------------------------------------------------------- 3. training
+def sequence_features(target, cfg: TrainConfig, seq: Sequence, layer_ids) -> Tensor:
+    """The target's features of `seq` as training stores them: [L, F] bf16 (one full-sequence forward)."""
+    inputs = target.encode_chat(seq.row["prompt"], open_images(seq.row, cfg.images))
+    feats = capture_features(target, extend_inputs(inputs, seq.row["response_ids"]), layer_ids)
+    assert feats.shape[0] == seq.ids.shape[0], "features must cover every row"
+    return feats.to(torch.bfloat16).contiguous()
+
+
+def load_features(files: list[Path]) -> list[Sequence]:
+    from safetensors import safe_open
+
+    seqs = []
+    for path in files:
+        with safe_open(path, "pt") as f:
+            for m in json.loads(f.metadata()["rows"]):
+                seqs.append(Sequence(f.get_tensor(f"{m['key']}.features"), f.get_tensor(f"{m['key']}.ids"),
+                                     m["prompt_len"], m["kind"]))
+    return seqs
+
+
+def load_sequences(out: Path, cfg: TrainConfig, n_parts: int) -> tuple[list[Sequence], list[Sequence]]:
+    """(training, held-out) sequences: with their cached features, or (online) without them."""
+    held = out / ("features/heldout.safetensors" if cfg.features == "cached" else "responses/heldout.jsonl")
+    if cfg.features == "cached":
+        train_seqs = load_features([out / "features" / f"part-{i:05d}.safetensors" for i in range(n_parts)])
+        return train_seqs, load_features([held]) if held.exists() else []
+    train_seqs = [s for i in range(n_parts) for s in read_sequences(out / "responses" / f"part-{i:05d}.jsonl", cfg)]
+    return train_seqs, read_sequences(held, cfg) if held.exists() else []
+
+
+# ----------------------------------------------------------------------------- 3. training: the loss
 
 
 def block_forward(drafter, embed: Tensor, features: Tensor, ids: Tensor, anchors: Tensor) -> Tensor:
@@ -491,7 +546,7 @@ def latest_checkpoint(out: Path) -> Checkpoint | None:
     return best
 
 
-def save_checkpoint(drafter, opt, step: int, out: Path, keep: int = 2) -> None:
+def save_checkpoint(drafter, opt, step: int, out: Path) -> None:
     """Write `checkpoints/step-N/` (drafter folder + optimizer state) via a temp folder and a
     rename; on failure (disk full) the previous checkpoints stay intact and nothing partial remains."""
     final = out / "checkpoints" / f"step-{step:06d}"
@@ -509,89 +564,221 @@ def save_checkpoint(drafter, opt, step: int, out: Path, keep: int = 2) -> None:
         ) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prune_checkpoints(out: Path, best: int | None, keep: int = 2) -> None:
+    """Delete all checkpoints but the last `keep` and the best one."""
     for p in sorted((out / "checkpoints").glob("step-*"))[:-keep]:
-        shutil.rmtree(p, ignore_errors=True)
+        if int(p.name.split("-")[1]) != best:
+            shutil.rmtree(p, ignore_errors=True)
 
 
-def stage_train(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world: int, n_parts: int, evaluate):
+# ----------------------------------------------------------------------------- held-out validation
+
+
+def validation_picks(seqs: list[Sequence], cfg: TrainConfig) -> list[tuple[int, Tensor]]:
+    """Fixed (sequence, anchors) pairs for validation: up to blocks_per_seq anchors per held-out
+    sequence, drawn once from the seed, so every checkpoint is scored on the same blocks."""
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 - 1)
+    picks = []
+    for i, s in enumerate(seqs):
+        lo, hi = s.prompt_len, s.ids.shape[0] - 1
+        picks.append((i, lo + torch.randperm(hi - lo, generator=g)[: cfg.blocks_per_seq].sort().values))
+    return picks
+
+
+def read_history(out: Path, upto: int) -> list[dict]:
+    """history.json's entries for steps up to `upto` (a resumed run rewrites what follows)."""
+    path = out / "history.json"
+    return [e for e in json.loads(path.read_text())["steps"] if e["step"] <= upto] if path.exists() else []
+
+
+def best_step(history: list[dict]) -> int | None:
+    """The step with the lowest held-out loss (the last step when there is no held-out set)."""
+    scored = [e for e in history if e.get("heldout_loss") is not None]
+    if scored:
+        return min(scored, key=lambda e: (e["heldout_loss"], e["step"]))["step"]
+    return history[-1]["step"] if history else None
+
+
+def write_history(out: Path, history: list[dict]) -> None:
+    doc = {"best_step": best_step(history), "criterion": "lowest held-out loss", "steps": history}
+    atomic_write(out / "history.json", lambda p: p.write_text(json.dumps(doc, indent=1)))
+
+
+def plot_history(out: Path, history: list[dict]) -> Path | None:
+    """history.png: training and held-out loss, and held-out chain tau, per checkpoint (None without
+    matplotlib, which the 'plot' extra installs)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None or not history:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [e["step"] for e in history]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    nan = float("nan")
+    train_loss = [nan if e["train_loss"] is None else e["train_loss"] for e in history]
+    ax.plot(steps, train_loss, label="training loss (mean since the last checkpoint)")
+    if any(e.get("heldout_loss") is not None for e in history):
+        ax.plot(steps, [e.get("heldout_loss", nan) for e in history], label="held-out loss")
+        tau = ax.twinx()
+        tau.plot(steps, [e.get("heldout_tau_chain", nan) for e in history], "g--", label="held-out chain tau")
+        tau.set_ylabel("held-out chain tau (tokens per block)")
+        tau.legend(loc="upper center")
+    best = best_step(history)
+    ax.axvline(best, color="grey", linestyle=":", label=f"best (step {best})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("weighted CE")
+    ax.legend(loc="upper right")
+    ax.set_title(f"{out.name}: drafter training")
+    fig.tight_layout()
+    path = out / "history.png"
+    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100))
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- 3. training: the loop
+
+
+class Trainer:
+    """One training run's drafter, optimizer, frozen head and feature source."""
+
+    def __init__(self, target, cfg: TrainConfig, out: Path, layer_ids, n_parts: int, linear):
+        self.target, self.cfg, self.out, self.layer_ids, self.linear = target, cfg, out, layer_ids, linear
+        self.seqs, self.held = load_sequences(out, cfg, n_parts)
+        if not self.seqs:
+            raise GlanceError("no training sequences: every response was shorter than 2 tokens or all prompts are "
+                              "held out")
+        self.held_picks = validation_picks(self.held, cfg)
+        vocab = choose_draft_vocab(out, n_parts, cfg.draft_vocab, target.vocab_size)
+        drafter = init_drafter(target, cfg.num_layers, cfg.block_size, seed=cfg.seed, target_layer_ids=layer_ids,
+                               draft_vocab_size=None if vocab is None else len(vocab),
+                               mask_token_id=cfg.mask_token_id, learned_mask=cfg.learned_mask)
+        if vocab is not None:
+            drafter.draft_vocab.copy_(vocab)
+        if cfg.init_from:
+            start_from(drafter, cfg.init_from)
+        self.drafter = drafter.float().train().requires_grad_(True)
+        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                     betas=(0.9, 0.95))
+        self.embed = target.parts.text_model.embed_tokens.weight.detach().float()
+        head = target.parts.lm_head.weight.detach()
+        self.column = None
+        if vocab is not None:  # token id -> row of the draft head, -1 outside the draft vocabulary
+            head = head[vocab]
+            self.column = torch.full((target.vocab_size,), -1, dtype=torch.long)
+            self.column[vocab] = torch.arange(len(vocab))
+        self.bf16 = use_bf16(target.device, head.shape[1], head.shape[0]) if cfg.bf16 is None else cfg.bf16
+        self.head = head.to(torch.bfloat16 if self.bf16 else torch.float32).contiguous()  # [Vd, H]
+
+    def autocast(self):
+        return torch.autocast(str(self.target.device.type), dtype=torch.bfloat16, enabled=self.bf16)
+
+    def resume(self) -> int:
+        """Load the last checkpoint, if any -> the step it ends."""
+        ckpt = latest_checkpoint(self.out)
+        if ckpt is None:
+            return 0
+        self.drafter.load_state_dict(read_drafter(ckpt.path, dtype=torch.float32).state_dict())
+        self.opt.load_state_dict(torch.load(ckpt.path / "trainer.pt", weights_only=True)["optimizer"])
+        return ckpt.step
+
+    def featured(self, seq: Sequence) -> Sequence:
+        """`seq` with its features: cached ones, or (online) the target's, computed now by the same
+        modules the feature stage runs, so online and cached training are the same computation."""
+        if seq.features is not None:
+            return seq
+        with swapped_linears(self.target.hf_model, self.linear):
+            return replace(seq, features=sequence_features(self.target, self.cfg, seq, self.layer_ids))
+
+    def loss(self, seqs: list[Sequence], picks: list[tuple[int, Tensor]]):
+        with self.autocast():
+            return block_loss(self.drafter, self.embed, self.head, [(self.featured(seqs[i]), a) for i, a in picks],
+                              self.cfg.gamma, self.column)
+
+    def validate(self) -> dict:
+        """Held-out loss and chain tau (accepted length of the block's own chain, +1) on the fixed picks."""
+        loss_sum, weight_sum, accepted = 0.0, 0.0, 0
+        self.drafter.eval()
+        with torch.no_grad():
+            for i in range(0, len(self.held_picks), self.cfg.batch_size):
+                ls, ws, acc = self.loss(self.held, self.held_picks[i : i + self.cfg.batch_size])
+                loss_sum, weight_sum, accepted = loss_sum + float(ls), weight_sum + float(ws), accepted + acc
+        self.drafter.train()
+        blocks = sum(len(a) for _, a in self.held_picks)
+        return {"heldout_loss": loss_sum / weight_sum, "heldout_tau_chain": accepted / blocks}
+
+
+def stage_train(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world: int, n_parts: int, evaluate,
+                linear):
+    """Train from the last checkpoint; at each one, score the held-out set and keep the best
+    checkpoint; write it as drafter/ (bf16) at the end."""
     if (out / "drafter" / "model.safetensors").exists():  # trained already: skip loading the features
         return read_drafter(out / "drafter")
-    seqs = load_features(out, n_parts, "train")
-    if not seqs:
-        raise GlanceError("no training sequences: every response was shorter than 2 tokens or all prompts are held out")
-    vocab = choose_draft_vocab(out, n_parts, cfg.draft_vocab, target.vocab_size)
-    drafter = init_drafter(target, cfg.num_layers, cfg.block_size, seed=cfg.seed, target_layer_ids=layer_ids,
-                           draft_vocab_size=None if vocab is None else len(vocab), mask_token_id=cfg.mask_token_id,
-                           learned_mask=cfg.learned_mask)
-    if vocab is not None:
-        drafter.draft_vocab.copy_(vocab)
-    if cfg.init_from:
-        start_from(drafter, cfg.init_from)
-    drafter = drafter.float().train().requires_grad_(True)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    start = 0
-    ckpt = latest_checkpoint(out)
-    if ckpt is not None:
-        loaded = read_drafter(ckpt.path, dtype=torch.float32)
-        drafter.load_state_dict(loaded.state_dict())
-        opt.load_state_dict(torch.load(ckpt.path / "trainer.pt", weights_only=True)["optimizer"])
-        start = ckpt.step
-    embed = target.parts.text_model.embed_tokens.weight.detach().float()
-    head = target.parts.lm_head.weight.detach()
-    column = None
-    if vocab is not None:  # token id -> row of the draft head, -1 outside the draft vocabulary
-        head = head[vocab]
-        column = torch.full((target.vocab_size,), -1, dtype=torch.long)
-        column[vocab] = torch.arange(len(vocab))
-    bf16 = use_bf16(target.device, head.shape[1], head.shape[0]) if cfg.bf16 is None else cfg.bf16
+    tr = Trainer(target, cfg, out, layer_ids, n_parts, linear)
+    start = tr.resume()
+    history = read_history(out, start)
     if rank == 0:
-        print(f"[train] {'bf16 autocast' if bf16 else 'fp32'} ({'measured' if cfg.bf16 is None else 'as asked'})")
-    head = head.to(torch.bfloat16 if bf16 else torch.float32).contiguous()  # [Vd, H]
-    autocast = torch.autocast(str(target.device.type), dtype=torch.bfloat16, enabled=bf16)
+        print(f"[train] {'bf16 autocast' if tr.bf16 else 'fp32'} ({'measured' if cfg.bf16 is None else 'as asked'}); "
+              f"{len(tr.seqs)} training and {len(tr.held)} held-out sequences; features {cfg.features}")
+        if start and not any(e["step"] == start for e in history):  # killed between its checkpoint and its entry
+            history.append({"step": start, "train_loss": None, **(tr.validate() if tr.held else {})})
     bar = _bar(cfg.steps, "train", rank, initial=start)
+    losses = []
     for step in range(start, cfg.steps):
-        picks = sample_step(seqs, cfg, step)[rank::world]
-        for group in opt.param_groups:
+        picks = sample_step(tr.seqs, cfg, step)[rank::world]
+        for group in tr.opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        with autocast:
-            loss_sum, weight_sum, accepted = block_loss(drafter, embed, head, [(seqs[i], a) for i, a in picks],
-                                                        cfg.gamma, column)
+        loss_sum, weight_sum, accepted = tr.loss(tr.seqs, picks)
         stats = torch.tensor([float(weight_sum), float(accepted), float(sum(len(a) for _, a in picks))])
         if world > 1:
             import torch.distributed as dist
 
             dist.all_reduce(stats)
         loss = loss_sum / stats[0]
-        opt.zero_grad(set_to_none=True)
+        tr.opt.zero_grad(set_to_none=True)
         loss.backward()
+        loss_val = torch.tensor([loss.item()])
         if world > 1:
-            for p in drafter.parameters():
+            for p in tr.drafter.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad)
-            loss_val = torch.tensor([loss.item()])
             dist.all_reduce(loss_val)
-        else:
-            loss_val = torch.tensor([loss.item()])
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-        opt.step()
+        torch.nn.utils.clip_grad_norm_(tr.drafter.parameters(), cfg.grad_clip)
+        tr.opt.step()
+        losses.append(loss_val.item())
         bar.set_postfix(loss=f"{loss_val.item():.3f}", tau_chain=f"{stats[1] / stats[2]:.2f}",
                         lr=f"{lr_at(step, cfg):.1e}")
         bar.update(1)
         done = step + 1
         if rank == 0 and (done % cfg.save_every == 0 or done == cfg.steps):
-            save_checkpoint(drafter, opt, done, out)
-        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps and rank == 0:
-            drafter.eval()
-            res = evaluate(drafter, per_kind=max(cfg.eval_per_kind // 4, 1), quiet=True)
-            bar.write(f"step {done}: tau {res['overall']['tau']:.2f} " +
-                      " ".join(f"{k} {v['tau']:.2f}" for k, v in res["kinds"].items()))
-            drafter.train()
+            save_checkpoint(tr.drafter, tr.opt, done, out)
+            entry = {"step": done, "train_loss": sum(losses) / len(losses), **(tr.validate() if tr.held else {})}
+            if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+                tr.drafter.eval()
+                res = evaluate(tr.drafter, per_kind=max(cfg.eval_per_kind // 4, 1), quiet=True)
+                tr.drafter.train()
+                entry["heldout_tau"] = res["overall"]["tau"]
+                entry["heldout_tau_kinds"] = {k: v["tau"] for k, v in res["kinds"].items()}
+            history.append(entry)
+            write_history(out, history)
+            prune_checkpoints(out, best_step(history))
+            bar.write(f"step {done}: " + ", ".join(f"{k} {v:.3f}" for k, v in entry.items()
+                                                   if isinstance(v, float)))
+            losses = []
         _barrier(world)
     bar.close()
-    drafter.eval().requires_grad_(False)
     if rank == 0:
-
-        save_drafter(drafter, out / "drafter", dtype=torch.bfloat16)
+        best = best_step(history)
+        plot_history(out, history)
+        chosen = read_drafter(out / "checkpoints" / f"step-{best:06d}", dtype=torch.float32)
+        save_drafter(chosen, out / "drafter", dtype=torch.bfloat16)
+        print(f"[train] drafter/ is the checkpoint of step {best} (lowest held-out loss; history.json)")
     _barrier(world)
     return read_drafter(out / "drafter")
 
@@ -607,9 +794,8 @@ def evaluate_tau(target, drafter, rows: list[dict], cfg: TrainConfig, per_kind: 
 
     drafter = copy.deepcopy(drafter).to(target.dtype).eval().requires_grad_(False)  # never touch the trained one
     held: dict[str, list] = {}
-    for r in rows:
-        if r["split"] == "heldout" and len(held.setdefault(r["kind"], [])) < per_kind:
-            held[r["kind"]].append(r)
+    for r in heldout_rows(rows, per_kind):
+        held.setdefault(r["kind"], []).append(r)
     dec = Decoder(target, drafter, tree_budget=cfg.eval_budget, max_length=4096, lookup=lookup)
     kinds, all_lens = {}, []
     bar = _bar(sum(len(v) for v in held.values()), "eval", 0 if not quiet else 1)
@@ -630,7 +816,8 @@ def evaluate_tau(target, drafter, rows: list[dict], cfg: TrainConfig, per_kind: 
 
 
 def train(target, cfg: TrainConfig):
-    """Run (or resume) every stage; returns (drafter, eval results)."""
+    """Run (or resume) every stage up to cfg.until; returns (drafter, eval results), (None, None) when
+    it stops before training."""
     if not 2 <= cfg.block_size <= 64:
         raise GlanceError(f"block_size must be in [2, 64], got {cfg.block_size}")
     rank, world = _dist()
@@ -645,16 +832,26 @@ def train(target, cfg: TrainConfig):
     out = prepare_out(cfg, target, rank)
     _barrier(world)
     n_parts = len(_parts(train_rows))
+    if cfg.until not in STAGES:
+        raise GlanceError(f"until must be one of {', '.join(STAGES)}, got {cfg.until!r}")
+    if cfg.features not in FEATURE_MODES:
+        raise GlanceError(f"features must be one of {', '.join(FEATURE_MODES)}, got {cfg.features!r}")
     store = open_store(target, cfg)
     kernels = KernelPlan(PACK_ROWS, (PACK_ROWS,), KernelTuner())  # each layer's faster kernel on this CPU
-    with swapped_linears(target.hf_model, kernels.linear):  # stages 1-2 run the HF model; modules put back
-        stage_responses(target, train_rows, cfg, out, rank, world, store)
-        stage_features(target, cfg, out, layer_ids, rank, world, n_parts)
+    linear = functools.cache(kernels.linear)  # one replacement per module, however often it is swapped in
+    with swapped_linears(target.hf_model, linear):  # stages 1-2 run the HF model; modules put back
+        stage_responses(target, train_rows, heldout_rows(rows, cfg.eval_per_kind), cfg, out, rank, world, store)
+        if cfg.until == "responses":
+            return None, None
+        if cfg.features == "cached":
+            stage_features(target, cfg, out, layer_ids, rank, world, n_parts)
+    if cfg.until == "features":
+        return None, None
 
     def evaluate(drafter, per_kind=cfg.eval_per_kind, quiet=False):
         return evaluate_tau(target, drafter, rows, cfg, per_kind, quiet, lookup=cfg.eval_lookup)
 
-    drafter = stage_train(target, cfg, out, layer_ids, rank, world, n_parts, evaluate)
+    drafter = stage_train(target, cfg, out, layer_ids, rank, world, n_parts, evaluate, linear)
     result = None
     if rank == 0:
         eval_file = out / "eval.json"

@@ -1,0 +1,123 @@
+"""Ablations of drafter training: one `glance-rt train` run per value of one option, the rest fixed,
+then a table and a plot of held-out tau against that value.
+
+    python scripts/ablate.py --out runs/ablate-data --vary per-kind=100,200,425,1000,2550 -- \
+        --prompts data/prompts/corpus-3000.jsonl.gz --store data/responses/smollm2-135m-instruct \
+        --response-tokens 96 --num-layers 2 --target-layer-ids 2,15,27 --steps 600 --features online
+
+Everything after `--` is passed to every run. Values are separated by commas (by semicolons for
+`target-layer-ids`, whose values hold commas). Each run is `OUT/<option>-<value>/`, a normal training
+folder: a rerun resumes the unfinished ones (`train --resume`) and skips the finished ones, so an
+ablation can span several sessions. `OUT/summary.json`, `OUT/summary.md` and `OUT/summary.png`
+(matplotlib) collect each run's eval.json (tau at train's eval configuration), its best held-out loss
+and chain tau (history.json), and for `per-kind` the number of training responses it used.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def run_dir(out: Path, option: str, value: str) -> Path:
+    return out / f"{option}-{value.replace(',', '_')}"
+
+
+def train_one(out: Path, option: str, value: str, common: list[str]) -> float:
+    """Run (or resume) one variant -> minutes it took now (0 when it was finished)."""
+    folder = run_dir(out, option, value)
+    if (folder / "eval.json").exists():
+        return 0.0
+    cmd = [sys.executable, "-m", "glance_rt.cli", "train", *common, f"--{option}", value, "--out", str(folder)]
+    if (folder / "run.json").exists():
+        cmd.append("--resume")
+    print("$", " ".join(cmd), flush=True)
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    return (time.perf_counter() - start) / 60
+
+
+def responses_used(folder: Path) -> int:
+    return sum(1 for p in (folder / "responses").glob("part-*.jsonl") for line in p.read_text().splitlines() if line)
+
+
+def summarise(out: Path, option: str, values: list[str]) -> list[dict]:
+    rows = []
+    for value in values:
+        folder = run_dir(out, option, value)
+        if not (folder / "eval.json").exists():
+            continue
+        ev = json.loads((folder / "eval.json").read_text())
+        hist = json.loads((folder / "history.json").read_text())
+        best = next(e for e in hist["steps"] if e["step"] == hist["best_step"])
+        rows.append({"value": value, "responses": responses_used(folder), "tau": ev["overall"]["tau"],
+                     "tau_kinds": {k: v["tau"] for k, v in ev["kinds"].items()}, "best_step": hist["best_step"],
+                     "heldout_loss": best.get("heldout_loss"), "heldout_tau_chain": best.get("heldout_tau_chain"),
+                     "eval": {k: ev[k] for k in ("tree_budget", "lookup", "max_new_tokens")}})
+    return rows
+
+
+def write_summary(out: Path, option: str, rows: list[dict]) -> None:
+    (out / "summary.json").write_text(json.dumps({"option": option, "runs": rows}, indent=1))
+    kinds = sorted({k for r in rows for k in r["tau_kinds"]})
+    lines = [f"| --{option} | training responses | tau | " + " | ".join(kinds) + " | best step | held-out loss | "
+             "held-out chain tau |", "|---" * (7 + len(kinds)) + "|"]
+    for r in rows:
+        lines.append(f"| {r['value']} | {r['responses']} | {r['tau']:.2f} | "
+                     + " | ".join(f"{r['tau_kinds'].get(k, float('nan')):.2f}" for k in kinds)
+                     + f" | {r['best_step']} | {r['heldout_loss']:.3f} | {r['heldout_tau_chain']:.2f} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    numeric = option == "per-kind"
+    xs = [r["responses"] for r in rows] if numeric else list(range(len(rows)))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(xs, [r["tau"] for r in rows], "o-", lw=2, label="overall")
+    for k in kinds:
+        ax.plot(xs, [r["tau_kinds"].get(k) for r in rows], ".--", label=k)
+    if numeric:
+        ax.set_xscale("log")
+        ax.set_xlabel("training responses")
+    else:
+        ax.set_xticks(xs, [r["value"] for r in rows])
+        ax.set_xlabel(f"--{option}")
+    ev = rows[0]["eval"] if rows else {}
+    ax.set_ylabel(f"held-out tau (budget {ev.get('tree_budget')}, lookup {ev.get('lookup')})")
+    ax.legend(fontsize=8)
+    ax.set_title(f"{out.name}: held-out tau against --{option}")
+    fig.tight_layout()
+    fig.savefig(out / "summary.png", dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    common = argv[argv.index("--") + 1 :] if "--" in argv else []
+    ap = argparse.ArgumentParser(prog="python scripts/ablate.py", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="folder of the runs and the summary")
+    ap.add_argument("--vary", required=True, help="OPTION=V1,V2,... (a `glance-rt train` option without --)")
+    ap.add_argument("--summary-only", action="store_true", help="only collect the finished runs")
+    args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    option, _, values = args.vary.partition("=")
+    values = [v for v in values.split(",") if v] if option != "target-layer-ids" else values.split(";")
+    if not values:
+        ap.error("--vary needs OPTION=V1,V2,...")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.summary_only:
+        for i, value in enumerate(values):
+            minutes = train_one(out, option, value, common)
+            print(f"[ablate] {option}={value} done ({i + 1}/{len(values)}, {minutes:.1f} min)", flush=True)
+    write_summary(out, option, summarise(out, option, values))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
