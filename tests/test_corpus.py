@@ -66,6 +66,21 @@ def test_write_then_read_round_trip(rows, tmp_path):
     path = corpus.write_corpus(tmp_path / "sub" / "prompts.jsonl", rows[:50])
     assert read_prompts(path) == rows[:50]
     assert [p.name for p in path.parent.iterdir()] == ["prompts.jsonl"]  # no temp file left behind
+    gz = corpus.write_corpus(tmp_path / "sub" / "prompts.jsonl.gz", rows[:50])  # compressed, no timestamp
+    again = corpus.write_corpus(tmp_path / "x.gz", rows[:50])
+    assert read_prompts(gz) == rows[:50] and gz.read_bytes() == again.read_bytes()
+    gz.write_bytes(gz.read_bytes()[:-9])  # truncated
+    with pytest.raises(GlanceError, match="cannot read prompts file"):
+        read_prompts(gz)
+
+
+def test_larger_corpus_keeps_the_shipped_prompts_and_splits():
+    """data/prompts/corpus-3000.jsonl.gz holds every shipped prompt with its split (so its train split
+    never holds a shipped held-out prompt)."""
+    big = read_prompts(default_corpus_path().parents[2] / "data" / "prompts" / "corpus-3000.jsonl.gz")
+    split = {r["prompt"]: r["split"] for r in big}
+    shipped = read_prompts(default_corpus_path())
+    assert len(big) == 15000 and all(split.get(r["prompt"]) == r["split"] for r in shipped)
 
 
 def _write(tmp_path, text: str):
