@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from glance_rt.errors import GlanceError
-from glance_rt.round.verify import MIN_PREFILL_ROWS, StaticShapes, example_inputs, verify_by_rows
+from glance_rt.round.verify import MIN_PREFILL_ROWS, example_inputs, static_shapes, verify_by_rows
 
 BACKEND = "aoti"
 
@@ -54,7 +54,7 @@ def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, p
     from tqdm import tqdm
 
 
-    jobs = example_inputs(graphs, StaticShapes(chunk, graphs.block_size), budgets, chain)
+    jobs = example_inputs(graphs, static_shapes(graphs, chunk), budgets, chain)
     # prefill takes the prompt at its length (MIN_PREFILL_ROWS..max_len rows): one pass, no padded chunk
     rows = torch.export.Dim("prompt_rows", min=MIN_PREFILL_ROWS, max=graphs.max_len)
     positions = jobs["prefill"][1]

@@ -24,6 +24,7 @@ from glance_rt.models.drafter import load_drafter
 from glance_rt.models.kernels import KERNELS, PREFILL_ROWS, KernelTuner, cpu_model, machine
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
+from glance_rt.round.tree import max_depth
 from glance_rt.round.verify import Backend, static_graphs, static_passes, verify_rows
 
 ENGINE_BACKENDS = ("aoti", "onnxruntime", "tensorrt")
@@ -114,7 +115,8 @@ def graph_linears(target, drafter, budgets, chain: bool, chunk: int) -> dict[str
     """graph name -> Counter of the (out, in, rows, dtype) linear calls one run of that graph makes:
     prefill (the text model at PREFILL_ROWS rows, the head at one), each verify bucket (its rows,
     head included), and with a drafter, context (fc, k and v projections at `chunk` rows) and draft
-    (the context part and the whole drafter at the block's rows, then the head)."""
+    (the context part at a path's `max_depth` + 1 rows, the whole drafter at the block's rows, then the
+    head)."""
     def calls(module, rows, keep=lambda name: True):
         return Counter((m.out_features, m.in_features, rows, m.weight.dtype) for n, m in module.named_modules()
                        if isinstance(m, nn.Linear) and keep(n))
@@ -132,7 +134,7 @@ def graph_linears(target, drafter, budgets, chain: bool, chunk: int) -> dict[str
 
         draft_rows = drafter.config.draft_vocab_size or head.shape[0]  # the head over the draft vocabulary
         out["context"] = calls(drafter, chunk, is_context)
-        out["draft"] = (calls(drafter, block, is_context) + calls(drafter, block)
+        out["draft"] = (calls(drafter, max_depth(block) + 1, is_context) + calls(drafter, block)
                         + Counter({(draft_rows, head.shape[1], block, head.dtype): 1}))
     return out
 

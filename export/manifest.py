@@ -16,7 +16,7 @@ from glance_rt import __version__
 from glance_rt.errors import GlanceError
 from glance_rt.round.tree import check_budget
 
-FORMAT = "glance-rt/engine/1"
+FORMAT = "glance-rt/engine/2"  # 2: draft context and accepted paths of max_depth + 1 rows (deep lookup chains)
 
 
 def weights_hash(module) -> str:

@@ -21,7 +21,7 @@ from torch import nn
 from glance_rt.errors import GlanceError, require
 from glance_rt.export.manifest import FORMAT, describe_graphs, graph_budgets, source, versions, write_manifest
 from glance_rt.export.vision import export_vision
-from glance_rt.round.verify import StaticShapes, example_inputs, static_graphs
+from glance_rt.round.verify import example_inputs, static_graphs, static_shapes
 
 FLAVORS = ("portable", "plugin")
 DOMAIN, VERSION = "glance", 1
@@ -105,8 +105,8 @@ class _Graph(nn.Module):
 
     def written(self, args) -> torch.Tensor:
         """The cache rows the graph's `new_*` outputs hold. The draft pass writes its context rows
-        [ctx_start, ctx_start + B) then its block [block_start, block_start + B), block_start <=
-        ctx_start + B: the fixed window [ctx_start, ctx_start + 2B), clamped to the cache."""
+        [ctx_start, ctx_start + R) then its block [block_start, block_start + B), block_start <=
+        ctx_start + R: the fixed window [ctx_start, ctx_start + R + B), clamped to the cache."""
         dev = args[0].device  # where the runtime keeps its caches (a CUDA engine computes the rows there)
         if self.name == "prefill":
             return args[2] + torch.arange(args[0].shape[1], device=dev)
@@ -114,7 +114,7 @@ class _Graph(nn.Module):
             return args[2] + torch.arange(args[0].shape[0], device=dev)
         if self.name == "draft":
             b, last = self.graphs.draft_pass.block_size, self.graphs.max_len - 1
-            return (args[1] + torch.arange(2 * b, device=dev)).clamp(max=last)
+            return (args[1] + torch.arange(self.graphs.ctx_rows + b, device=dev)).clamp(max=last)
         return args[1] + torch.arange(args[0].shape[0], device=dev)  # context
 
     def forward(self, *inputs):
@@ -183,7 +183,7 @@ def export_onnx(graphs, out, budgets, chain: bool, chunk: int, flavor: str = "po
         raise GlanceError(f"unknown flavor {flavor!r}: choose {' or '.join(FLAVORS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    jobs = example_inputs(graphs, StaticShapes(chunk, graphs.block_size), budgets, chain)
+    jobs = example_inputs(graphs, static_shapes(graphs, chunk), budgets, chain)
     table, info = _translation(), {}
     bar = tqdm(jobs.items(), desc="onnx graphs", unit="graph", disable=not progress)
     for key, args in bar:

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import glance_rt
 from glance_rt.cli import main
 from glance_rt.export.onnx import export_model, written_rows
-from glance_rt.round.verify import StaticShapes, example_inputs, static_graphs
+from glance_rt.round.verify import example_inputs, static_graphs, static_shapes
 from tests.conftest import hf_greedy, tiny_target, vocab_drafter
 from tests.test_cli import model_folder
 from tests.tiny_models import ARCHS, VLM_ARCHS, make_inputs
@@ -54,7 +54,7 @@ def test_every_graph_matches_its_torch_graph(arch, tmp_path):
     for cache in (graphs.verifier.cache, graphs.draft_pass.cache):  # random cache contents, both sides
         for b in cache.buffers():
             b.copy_(torch.randn(b.shape, generator=gen))
-    for key, args in example_inputs(graphs, StaticShapes(8, 4), (5,), False).items():
+    for key, args in example_inputs(graphs, static_shapes(graphs, 8), (5,), False).items():
         name = key.split("-")[0]
         args = tuple(a.clone() for a in args)
         if name in ("prefill", "context"):

@@ -57,6 +57,28 @@ def test_static_passes_are_lossless(arch, mode):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_static_passes_accept_lookup_chains_deeper_than_the_block(arch, monkeypatch):
+    """A lookup chain that is the true continuation (an oracle for the n-gram match) runs past the
+    block's B-1 depths up to `max_depth`: the static passes accept it whole (path and padded draft
+    context of max_depth + 1 rows) and the tokens stay HF greedy's."""
+    import glance_rt.round.loop as dm
+    from glance_rt.round.tree import lookup_rows, max_depth
+
+    target, _, inputs, ref = case(arch)
+    p = inputs["input_ids"].shape[1]
+    def oracle(history, max_ngram, length):
+        return ref[len(history) - p : len(history) - p + length]
+
+    monkeypatch.setattr(dm, "prompt_lookup", oracle)
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=2)
+    dec = static_decoder(target, drafter, chunk=5, tree_budget=12, lookup=3, max_length=256)
+    res = dec.generate(max_new_tokens=NEW, **inputs)
+    assert res.token_ids == ref
+    assert lookup_rows(4, 12) == max_depth(4) == 7  # the chain takes 7 of 12 rows, 7 deep
+    assert max(res.stats.accepted_lengths) == 8  # past the block's 3 drafted depths, and its 4 rows
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
 def test_static_draft_pass_equals_eager(arch):
     """Padded context rows (prompt chunks, B-row rounds) leave the drafter's logits unchanged."""
     target, _, inputs, ref = case(arch)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from glance_rt.errors import GlanceError
 from glance_rt.round.commit import accept, accept_path, apply_stops, committed_tokens
-from glance_rt.round.tree import build_tree, check_budget, prompt_lookup
+from glance_rt.round.tree import build_tree, check_budget, lookup_rows, prompt_lookup
 
 
 def target_next(prefix: tuple, vocab: int) -> int:
@@ -74,8 +74,9 @@ def test_any_draft_commits_greedy(logits, budget, seed, chain):
 @given(logits=logits_strategy, budget=st.integers(1, 40), seed=st.integers(0, 10_000), right=st.integers(0, 9))
 def test_lookup_chain_is_grafted_and_lossless(logits, budget, seed, right):
     """A prompt-lookup chain (its first `right` tokens the greedy ones, then noise) is a path of the
-    tree from node 1, best-first shares it instead of repeating a prefix, depth stays <= D, and the
-    round still commits exactly the greedy tokens."""
+    tree from node 1 (as deep as `lookup_rows` lets it, past the D drafted depths), best-first shares
+    it instead of repeating a prefix, its own nodes stay <= D deep, and the round still commits exactly
+    the greedy tokens."""
     draft = torch.tensor(logits)
     depth, vocab = draft.shape
     rng = np.random.default_rng(seed)
@@ -85,8 +86,8 @@ def test_lookup_chain_is_grafted_and_lossless(logits, budget, seed, right):
     chain = want[:right] + [int(t) for t in rng.integers(0, vocab, size=9 - right)]
     tree, path, run = one_round(prefix, bonus, draft, budget, vocab, lookup=chain)
     assert run == greedy(prefix + (bonus,), len(run), vocab)
-    assert tree.size == budget + 1 and tree.depth.max() <= depth
-    n = min(depth, budget // 2)
+    n = min(lookup_rows(depth + 1, budget), len(chain))  # a block of D + 1 rows drafts D depths
+    assert tree.size == budget + 1 and tree.depth.max() <= max(depth, n)  # the chain may run past the block
     assert [int(t) for t in tree.tokens[1 : n + 1]] == chain[:n] and list(tree.parent[1 : n + 1]) == list(range(n))
     real = [i for i in range(1, tree.size) if i == 1 or not (tree.tokens[i] == tree.tokens[1] and tree.parent[i] == 0)]
     assert len({row_prefix(tree, i) for i in real}) == len(real)  # no prefix twice (padding aside)

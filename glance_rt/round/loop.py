@@ -20,7 +20,7 @@ from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
 from glance_rt.round.commit import apply_stops, committed_tokens
 from glance_rt.round.sample import GREEDY, Chooser, Sampling, stop_criteria, walk
-from glance_rt.round.tree import build_tree, check_budget, prompt_lookup
+from glance_rt.round.tree import build_tree, check_budget, max_depth, prompt_lookup
 from glance_rt.round.verify import Backend, named_backend, round_modules
 
 PHASES = ("prefill", "draft", "tree", "verify", "commit")
@@ -88,7 +88,7 @@ class Decoder:
 
     `lookup` > 0 grafts a prompt-lookup chain into every tree: the tokens that followed the latest
     earlier occurrence of the context's last n-gram (n <= lookup), in the prompt or the output so far
-    (at most B-1 tokens and half the budget; `glance_rt.round.tree.prompt_lookup`). 0: the drafter
+    (at most B-1 tokens and three quarters of the budget; `glance_rt.round.tree.prompt_lookup`). 0: the drafter
     alone; None (default): `DEFAULT_LOOKUP` on a drafter's trees, 0 for chains and autoregression.
 
     `backend` says how the passes run: "eager" (exact lengths, the reference), "compile" (the round's
@@ -222,8 +222,11 @@ class Decoder:
         return pos[None].expand(3, 1, -1) if self.mrope else pos
 
     def _scratch_rows(self) -> int:
-        block = self.drafter.block_size if self.drafter is not None else 1
-        return max(self.tree_budget + 1, block)
+        """Rows past the committed ones a round may write: its tree, the draft block, and (static
+        passes) a padded path of max_depth + 1 rows."""
+        if self.drafter is None:
+            return self.tree_budget + 1
+        return max(self.tree_budget + 1, max_depth(self.drafter.block_size) + 1)
 
     # ------------------------------------------------------------------ the loop
 

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from glance_rt.errors import GlanceError
+from glance_rt.models.drafter import MAX_BLOCK_SIZE
 
 MAX_TREE_BUDGET = 1024
 
@@ -53,10 +54,19 @@ def prompt_lookup(history: np.ndarray, max_ngram: int, length: int) -> list[int]
     return []
 
 
-def lookup_rows(depth: int, budget: int) -> int:
-    """How many rows a prompt-lookup chain may take: no deeper than the draft block, and at most
-    half the budget, so the drafter's own candidates keep the rest."""
-    return min(depth, budget // 2)
+def max_depth(block_size: int) -> int:
+    """The deepest row a round's tree may have: the drafter's candidates reach B-1, a prompt-lookup
+    chain twice as deep (where a chain is right it runs long: an extraction answer copies whole
+    passages), within a scratch of MAX_BLOCK_SIZE rows. A round commits at most max_depth + 1 tokens."""
+    return min(2 * block_size, MAX_BLOCK_SIZE) - 1
+
+
+def lookup_rows(block_size: int, budget: int) -> int:
+    """How many rows a prompt-lookup chain may take: at most `max_depth` deep, and at most three
+    quarters of the budget, so the drafter's own candidates keep the rest (docs/benchmarks.md,
+    "Lookup chain length": 6 of 8 rows against half, held-out tau 2.61 -> 2.75; at budget 16, 12 rows
+    against the block's 7, extraction ...)."""
+    return min(max_depth(block_size), budget - budget // 4)
 
 
 def graft(tokens: list, parent: list, depth: list, chain: list[int]) -> dict:
@@ -104,7 +114,8 @@ def build_tree(draft_logits: Tensor | None, root: int, budget: int, chain: bool 
                vocab: np.ndarray | None = None, lookup: list[int] = ()) -> Tree:
     """draft_logits [D, V] (depths 1..D) -> a Tree of exactly budget+1 rows (root included).
     `vocab` [V] maps logit columns to token ids (a drafter's draft vocabulary); None: column = id.
-    `lookup`: a prompt-lookup chain after the root, grafted first (at most D and budget // 2 nodes).
+    `lookup`: a prompt-lookup chain after the root, grafted first (at most `lookup_rows(D + 1, budget)` nodes,
+    deeper than D where the budget allows).
 
     With `chain`, the tree is the top-1 path (budget is then at most D). With no draft logits
     the tree is the root alone (autoregression). Rows that a small vocabulary or depth cannot
@@ -116,7 +127,7 @@ def build_tree(draft_logits: Tensor | None, root: int, budget: int, chain: bool 
     width = 1 if chain else min(budget, lp.shape[-1])
     top_lp, top_ids = (x.cpu() for x in torch.topk(lp, width, dim=-1))  # [D, K]: only these reach the host
     top_ids = top_ids.numpy() if vocab is None else vocab[top_ids.numpy()]
-    lookup = [] if chain else list(lookup)[: lookup_rows(len(lp), budget)]
+    lookup = [] if chain else list(lookup)[: lookup_rows(len(lp) + 1, budget)]
     tokens, parent, depth = best_first(top_lp.numpy(), top_ids, budget, lookup)
     tokens[0] = root
     size = min(budget, len(lp)) + 1 if chain else budget + 1

@@ -2,9 +2,9 @@
 
 `EagerPasses` is the reference: exact lengths (the prompt in one pass, attention over the rows
 written so far). `StaticPasses` runs the same math at fixed shapes, so that compilers can take it:
-the prompt in chunks of `chunk` rows, the drafter's context padded (to B rows per round, to `chunk`
-rows for the prompt), attention over all `max_len` cache rows (on a CPU the tree-attention op reads
-only the rows its queries can see). Its graphs are the methods of
+the prompt in chunks of `chunk` rows, the drafter's context padded (to R rows per round, the longest
+path a round accepts; to `chunk` rows for the prompt), attention over all `max_len` cache rows (on
+a CPU the tree-attention op reads only the rows its queries can see). Its graphs are the methods of
 `StaticGraphs`, plain functions of tensors; a backend swaps them for compiled (torch.compile) or
 loaded (AOTInductor) versions. Padded rows only ever land on cache rows that are rewritten before
 anything can see them.
@@ -27,6 +27,7 @@ from glance_rt.models.kernels import PREFILL_ROWS, KernelPlan
 from glance_rt.models.target import TargetDecoder
 from glance_rt.round.commit import accept, accept_path, compact
 from glance_rt.round.draft import DraftPass
+from glance_rt.round.tree import max_depth
 
 GRAPHS = ("prefill", "verify", "draft", "context")
 
@@ -72,8 +73,8 @@ class StaticGraphs(nn.Module):
 
     prefill(embeds [1, C, H], positions, start [], last [1]) -> logits [1, V], features [C, F]
     verify(tokens [T], positions, start [], mask [T, T], parent [T]) -> logits [T, V], features [T, F],
-        greedy [T] (the target's argmax per row), path [B] (accepted rows, then -1; on the device)
-    draft(ctx [B, F], ctx_start [], bonus [], block_start []) -> draft logits [B-1, V]
+        greedy [T] (the target's argmax per row), path [min(T, R)] (accepted rows, then -1; on the device)
+    draft(ctx [R, F], ctx_start [], bonus [], block_start []) -> draft logits [B-1, V]
     context(ctx [C, F], ctx_start []) -> nothing (writes the drafter's context cache)
     """
 
@@ -82,6 +83,7 @@ class StaticGraphs(nn.Module):
         self.verifier, self.draft_pass = verifier, draft_pass
         self.max_len = verifier.cache.max_len
         self.block_size = draft_pass.block_size if draft_pass is not None else 1
+        self.ctx_rows = max_depth(self.block_size) + 1 if draft_pass is not None else 1  # R: the longest path
         self.register_buffer("_zero", torch.zeros((), dtype=torch.long), persistent=False)
 
     def prefill(self, embeds: Tensor, positions: Tensor, start: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
@@ -92,7 +94,7 @@ class StaticGraphs(nn.Module):
     def verify(self, tokens: Tensor, positions: Tensor, start: Tensor, mask: Tensor, parent: Tensor):
         logits, feats = self.verifier(self.verifier.embed_tokens(tokens)[None], positions, start, mask, self.max_len)
         greedy = logits.argmax(-1)  # [T]
-        depth = self.draft_pass.block_size - 1 if self.draft_pass is not None else 0
+        depth = min(tokens.shape[0], self.ctx_rows) - 1  # a tree of T rows is at most T-1 deep
         return logits, feats, greedy, accept_path(parent, tokens, greedy, depth)
 
     def draft(self, ctx: Tensor, ctx_start: Tensor, bonus: Tensor, block_start: Tensor) -> Tensor:
@@ -107,6 +109,7 @@ class StaticGraphs(nn.Module):
 class StaticShapes:
     chunk: int  # prompt rows per prefill pass (and drafter-context rows per context pass)
     block_size: int  # B (1 without a drafter)
+    ctx_rows: int  # R: the draft pass's context rows, the longest accepted path (`max_depth` + 1; 1 without one)
     exact_prefill: bool = False  # the prefill graph takes any row count from MIN_PREFILL_ROWS: one pass
 
 
@@ -171,19 +174,19 @@ class StaticPasses:
         return logits, feats, greedy.cpu().numpy(), path
 
     def draft(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int) -> Tensor:
-        b, c = self.shapes.block_size, self.shapes.chunk
+        r, c = self.shapes.ctx_rows, self.shapes.chunk
         m = ctx_feats.shape[0]
-        tail = (m - 1) % b + 1  # the last 1..B context rows go with the block
+        tail = (m - 1) % r + 1  # the last 1..R context rows (a round's whole path) go with the block
         for s in range(0, m - tail, c):  # the prompt's context: chunks of C rows
             chunk = ctx_feats[s : min(s + c, m - tail)]
             self.fns["context"](self._pad_rows(chunk, c, 0), self._t(ctx_start + s))
-        ctx = self._pad_rows(ctx_feats[m - tail :], b, 0)  # [B, F]
+        ctx = self._pad_rows(ctx_feats[m - tail :], r, 0)  # [R, F]
         return self.fns["draft"](ctx, self._t(ctx_start + m - tail), self._t(bonus), self._t(block_start))
 
     def commit(self, path: list[int], start: int) -> None:
         if path != list(range(len(path))):
-            b = self.shapes.block_size
-            src = [start + i for i in path] + [start + i for i in range(len(path), b)]  # fixed B rows
+            r = self.shapes.ctx_rows
+            src = [start + i for i in path] + [start + i for i in range(len(path), r)]  # fixed R rows
             self.cache.move_rows(self._t(src), self._t(start))
 
 
@@ -198,6 +201,10 @@ def compiled_fns(graphs: StaticGraphs) -> dict:
     mode = "reduce-overhead" if graphs.verifier.embed_tokens.weight.is_cuda else None
     names = GRAPHS[1:] if graphs.draft_pass is not None else GRAPHS[1:2]
     return {n: torch.compile(getattr(graphs, n), fullgraph=True, dynamic=False, mode=mode) for n in names}
+
+
+def static_shapes(graphs: StaticGraphs, chunk: int, exact_prefill: bool = False) -> StaticShapes:
+    return StaticShapes(chunk, graphs.block_size, graphs.ctx_rows, exact_prefill)
 
 
 def verify_rows(budget: int, chain: bool, block_size: int) -> int:
@@ -219,7 +226,7 @@ def example_inputs(graphs, shapes, budgets, chain: bool) -> dict:
         p = torch.arange(n, device=dev)[None]
         return p[None].expand(3, 1, n).contiguous() if mrope else p
 
-    c, b = shapes.chunk, shapes.block_size
+    c, b, r = shapes.chunk, shapes.block_size, shapes.ctx_rows
     embeds = torch.zeros(1, c, hidden, dtype=dtype, device=dev)
     out = {"prefill": (embeds, pos(c), zero(), torch.tensor([c - 1], device=dev))}
     for budget in budgets:
@@ -229,8 +236,8 @@ def example_inputs(graphs, shapes, budgets, chain: bool) -> dict:
         out[f"verify-{t}"] = (torch.zeros(t, dtype=torch.long, device=dev), pos(t), zero(), mask, parent)
     if graphs.draft_pass is not None:
         feats = len(graphs.verifier.feature_layers) * hidden
-        ctx = torch.zeros(b, feats, dtype=dtype, device=dev)
-        out["draft"] = (ctx, zero(), zero(), torch.tensor(b, device=dev))
+        ctx = torch.zeros(r, feats, dtype=dtype, device=dev)
+        out["draft"] = (ctx, zero(), zero(), torch.tensor(r, device=dev))
         out["context"] = (torch.zeros(c, feats, dtype=dtype, device=dev), zero())
     return out
 
@@ -292,7 +299,7 @@ def static_passes(make_fns: Callable, chunk: int, exact_prefill: bool = False) -
             raise GlanceError("compiled and engine backends run a GlanceDrafter (glance_rt.load_drafter); "
                               "use backend='eager' for other drafter objects")
         graphs = StaticGraphs(verifier, draft)
-        return StaticPasses(graphs, make_fns(graphs), StaticShapes(chunk, graphs.block_size, exact_prefill))
+        return StaticPasses(graphs, make_fns(graphs), static_shapes(graphs, chunk, exact_prefill))
 
     return build
 
