@@ -1,0 +1,87 @@
+"""How long a prompt-lookup chain should be (issue 19; docs/benchmarks.md, "Lookup chain length").
+
+    python scripts/lookup_study.py runs              # how far the chain lookup proposes is right, per kind
+    python scripts/lookup_study.py caps 8:4,8:6 20   # held-out tau with the chain capped at CAP rows
+
+`runs` reads the response store of the default target: at every response position, the chain
+`prompt_lookup` (n <= 3) proposes there is compared with the response, and the number of its leading
+tokens that are right is counted (the chain a round could accept, up to 4, 7 or 15 rows).
+
+`caps` decodes held-out prompts of the shipped corpus (PER_KIND of each kind, 128 new tokens, the
+shipped drafter, eager) at tree budget BUDGET with the chain capped at CAP rows (deeper than the
+block where CAP > B-1), each pair in turn, and prints tau overall and per kind. This experiment swaps
+`glance_rt.round.tree.lookup_rows` (the one rule the decoder asks) for each pair; the library's rule
+is what the measurements chose. Tau does not depend on timing, so this may run beside other work.
+"""
+
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def chain_runs(store: str = "data/responses/smollm2-135m-instruct", per_kind: int = 30000) -> None:
+    from glance_rt.round.tree import prompt_lookup
+
+    runs = collections.defaultdict(list)
+    for f in sorted(Path(store).glob("part-*.npz")):
+        with np.load(f) as z:
+            meta, ids = json.loads(str(z["meta"])), z["ids"].astype(np.int64)
+            plens, rlens = z["prompt_lens"], z["response_lens"]
+        at = 0
+        for row, p, r in zip(meta["rows"], plens, rlens, strict=True):
+            seq, at = ids[at : at + p + r], at + p + r
+            if len(runs[row["kind"]]) >= per_kind:
+                continue
+            for t in range(p, p + r - 1):
+                chain = prompt_lookup(seq[: t + 1], 3, 16)  # history ends with the round's root, token t
+                right = next((i for i, (a, b) in enumerate(zip(chain, seq[t + 1 :], strict=False)) if a != b),
+                             None)
+                runs[row["kind"]].append(min(len(chain), len(seq) - t - 1) if right is None else right)
+    print("| kind | positions | chain right >= 1 | >= 4 | >= 7 | >= 15 | mean right, capped at 4 / 7 / 15 |")
+    print("|---|---|---|---|---|---|---|")
+    for kind, v in runs.items():
+        v = np.array(v)
+        print(f"| {kind} | {len(v)} | {np.mean(v >= 1):.2f} | {np.mean(v >= 4):.2f} | {np.mean(v >= 7):.2f} | "
+              f"{np.mean(v >= 15):.2f} | {np.minimum(v, 4).mean():.2f} / {np.minimum(v, 7).mean():.2f} / "
+              f"{np.minimum(v, 15).mean():.2f} |")
+
+
+def capped_tau(pairs: list[tuple[int, int]], per_kind: int) -> None:
+    import glance_rt
+    import glance_rt.round.tree as tree
+    from glance_rt.tools.suites import default_corpus_path, read_prompts
+    from glance_rt.tools.train import heldout_rows
+
+    target = glance_rt.load_target(None)
+    drafter = glance_rt.load_drafter(None, target)
+    rows = heldout_rows(read_prompts(default_corpus_path()), per_kind)
+    for budget, cap in pairs:
+        tree.lookup_rows = lambda block, b, cap=cap: min(cap, b)  # this experiment's rule (see the docstring)
+        dec = glance_rt.Decoder(target, drafter, tree_budget=budget, lookup=3)
+        by_kind, start = collections.defaultdict(list), time.perf_counter()
+        for r in rows:
+            out = dec.generate(max_new_tokens=128, **target.encode_chat(r["prompt"]))
+            by_kind[r["kind"]] += out.stats.accepted_lengths
+        every = [n for v in by_kind.values() for n in v]
+        kinds = " ".join(f"{k} {np.mean(v):.2f}" for k, v in by_kind.items())
+        print(f"budget {budget} cap {cap}: tau {np.mean(every):.3f} ({kinds}; {len(rows)} prompts, "
+              f"{time.perf_counter() - start:.0f} s)", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["runs"]:
+        chain_runs()
+    elif argv[:1] == ["caps"] and len(argv) == 3:
+        capped_tau([tuple(int(x) for x in p.split(":")) for p in argv[1].split(",")], int(argv[2]))
+    else:
+        print(__doc__)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
