@@ -160,6 +160,10 @@ def test_cli_build_engine_then_generate(tmp_path_factory, tmp_path):
                                        "--max-new-tokens", "12", "--stats"])
     assert result.exit_code == 0, result.output
     assert want.strip() in result.stdout and "draft passes" in result.stderr
+    result = CliRunner().invoke(main, ["generate", "--engine", str(out), "--prompt", "Hello there.",
+                                       "--max-new-tokens", "12", "--compare"])
+    assert result.exit_code == 0, result.output  # against eager autoregression: the engine has no 1-row graph
+    assert "autoregressive (eager" in result.stdout and "tokens identical: yes" in result.stdout
     suite = tmp_path / "suite.jsonl"
     suite.write_text("".join(json.dumps({"prompt": p, "kind": "chat"}) + "\n" for p in ["Hi.", "Copy: a b."]))
     for budget in ("4", "8"):  # audit runs the engine as generate does, at each of its budgets
