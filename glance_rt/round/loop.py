@@ -88,8 +88,9 @@ class Decoder:
 
     `lookup` > 0 grafts a prompt-lookup chain into every tree: the tokens that followed the latest
     earlier occurrence of the context's last n-gram (n <= lookup), in the prompt or the output so far
-    (at most B-1 tokens and three quarters of the budget; `glance_rt.round.tree.prompt_lookup`). 0: the drafter
-    alone; None (default): `DEFAULT_LOOKUP` on a drafter's trees, 0 for chains and autoregression.
+    (at most `max_depth` = 2B-1 tokens and three quarters of the budget: `glance_rt.round.tree`'s
+    `lookup_rows` and `prompt_lookup`). 0: the drafter alone; None (default): `DEFAULT_LOOKUP` on a
+    drafter's trees, 0 for chains and autoregression.
 
     `backend` says how the passes run: "eager" (exact lengths, the reference), "compile" (the round's
     fixed-shape passes, `glance_rt.round.verify.StaticGraphs`, under `torch.compile(fullgraph=True)`,

@@ -520,14 +520,14 @@ def sample_step(seqs: list[Sequence], cfg: TrainConfig, step: int) -> list[tuple
     """The step's (sequence index, anchors) pairs: a pure function of (seed, step), so a resumed
     run draws exactly what an uninterrupted one would."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    picks = []
-    for i in torch.randint(len(seqs), (cfg.batch_size,), generator=g).tolist():
-        s = seqs[i]
-        lo, hi = s.prompt_len, s.ids.shape[0] - 1  # anchors in the response, each with >= 1 target
-        n = min(cfg.blocks_per_seq, hi - lo)
-        anchors = lo + torch.randperm(hi - lo, generator=g)[:n].sort().values
-        picks.append((i, anchors))
-    return picks
+    return [(i, draw_anchors(seqs[i], cfg.blocks_per_seq, g))
+            for i in torch.randint(len(seqs), (cfg.batch_size,), generator=g).tolist()]
+
+
+def draw_anchors(seq: Sequence, count: int, g: torch.Generator) -> Tensor:
+    """Up to `count` distinct anchors in `seq`'s response, sorted, each with >= 1 target after it."""
+    lo, hi = seq.prompt_len, seq.ids.shape[0] - 1
+    return lo + torch.randperm(hi - lo, generator=g)[:count].sort().values
 
 
 @dataclass
@@ -580,11 +580,7 @@ def validation_picks(seqs: list[Sequence], cfg: TrainConfig) -> list[tuple[int, 
     """Fixed (sequence, anchors) pairs for validation: up to blocks_per_seq anchors per held-out
     sequence, drawn once from the seed, so every checkpoint is scored on the same blocks."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 - 1)
-    picks = []
-    for i, s in enumerate(seqs):
-        lo, hi = s.prompt_len, s.ids.shape[0] - 1
-        picks.append((i, lo + torch.randperm(hi - lo, generator=g)[: cfg.blocks_per_seq].sort().values))
-    return picks
+    return [(i, draw_anchors(s, cfg.blocks_per_seq, g)) for i, s in enumerate(seqs)]
 
 
 def read_history(out: Path, upto: int) -> list[dict]:
@@ -703,6 +699,7 @@ class Trainer:
 
     def validate(self) -> dict:
         """Held-out loss and chain tau (accepted length of the block's own chain, +1) on the fixed picks."""
+        self.held = [self.featured(s) for s in self.held]  # online: the target's features, computed once
         loss_sum, weight_sum, accepted = 0.0, 0.0, 0
         self.drafter.eval()
         with torch.no_grad():
@@ -820,6 +817,10 @@ def train(target, cfg: TrainConfig):
     it stops before training."""
     if not 2 <= cfg.block_size <= 64:
         raise GlanceError(f"block_size must be in [2, 64], got {cfg.block_size}")
+    if cfg.until not in STAGES:
+        raise GlanceError(f"until must be one of {', '.join(STAGES)}, got {cfg.until!r}")
+    if cfg.features not in FEATURE_MODES:
+        raise GlanceError(f"features must be one of {', '.join(FEATURE_MODES)}, got {cfg.features!r}")
     rank, world = _dist()
     torch.manual_seed(cfg.seed)
     n_target = target.text_config.num_hidden_layers
@@ -832,10 +833,6 @@ def train(target, cfg: TrainConfig):
     out = prepare_out(cfg, target, rank)
     _barrier(world)
     n_parts = len(_parts(train_rows))
-    if cfg.until not in STAGES:
-        raise GlanceError(f"until must be one of {', '.join(STAGES)}, got {cfg.until!r}")
-    if cfg.features not in FEATURE_MODES:
-        raise GlanceError(f"features must be one of {', '.join(FEATURE_MODES)}, got {cfg.features!r}")
     store = open_store(target, cfg)
     kernels = KernelPlan(PACK_ROWS, (PACK_ROWS,), KernelTuner())  # each layer's faster kernel on this CPU
     linear = functools.cache(kernels.linear)  # one replacement per module, however often it is swapped in
