@@ -21,7 +21,7 @@ from glance_rt.export.manifest import (
 )
 from glance_rt.hf.target import load_target
 from glance_rt.models.drafter import load_drafter
-from glance_rt.models.kernels import KERNELS, PREFILL_ROWS, KernelTuner, cpu_model, machine
+from glance_rt.models.kernels import PREFILL_ROWS, KernelTuner, cpu_model, machine
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
 from glance_rt.round.tree import max_depth
@@ -30,6 +30,9 @@ from glance_rt.round.verify import Backend, static_graphs, static_passes, verify
 ENGINE_BACKENDS = ("aoti", "onnxruntime", "tensorrt")
 # the first flavor is the default
 FLAVORS = {"aoti": ("frozen", "shared"), "onnxruntime": ("portable", "plugin"), "tensorrt": ("plugin",)}
+# the kernels an aoti flavor runs: `shared` torch's own GEMM (MKL) on the plain weights, `frozen` oneDNN's
+# prepacked layouts (the tuner's third kernel, MKL over transposed weights, is no flavor of an engine)
+FLAVOR_KERNELS = ("mkl", "onednn")
 
 
 def _backend(name: str):
@@ -155,7 +158,7 @@ def choose_flavor(backend: str, flavor: str | None, target, drafter, budgets, ch
     times = tuner.timings(sorted({k for c in calls.values() for k in c}, key=str))
     per_graph, seconds = {}, {}
     for name, count in calls.items():
-        total = {k: sum(n * times[call][k] for call, n in count.items()) for k in KERNELS}
+        total = {k: sum(n * times[call][k] for call, n in count.items()) for k in FLAVOR_KERNELS}
         per_graph[name] = "frozen" if tuner.choose(total) == "onednn" else "shared"
         seconds[name] = total
     kinds = set(per_graph.values())

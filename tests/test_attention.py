@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from glance_rt.models.attention import tree_attention, tree_attention_reference
+from glance_rt.models.attention import attend, tree_attention, tree_attention_reference
 
 
 def naive(q, k, v, tree_mask, prefix_len: int, scale: float):
@@ -69,3 +69,44 @@ def test_fake_kernel_shape():
         q, k = torch.empty(1, 4, 3, 8), torch.empty(1, 2, 10, 8)
         out = tree_attention(q, k, k, torch.ones(3, 3, dtype=torch.bool), torch.tensor(2), 1.0)
         assert out.shape == (1, 4, 3, 8) and out.is_contiguous()
+
+
+class _Attend(torch.nn.Module):
+    def forward(self, q, k, v, mask, prefix):
+        return attend(q, k, v, mask, prefix, 0.5) * 2
+
+
+def _attend_args():
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 3, 8, generator=gen)
+    k, v = torch.randn(1, 2, 9, 8, generator=gen), torch.randn(1, 2, 9, 8, generator=gen)
+    return q, k, v, random_tree_mask(3, gen), torch.tensor(5)
+
+
+def test_attend_is_the_op_in_eager():
+    """Eager CPU calls skip the dispatcher but compute exactly what the op does."""
+    args = _attend_args()
+    assert torch.equal(attend(*args, 0.5), tree_attention(*args, 0.5))
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_graphs_record_the_named_op(strict):
+    """Whatever traces the passes (non-strict export: fake tensors; strict: dynamo) sees glance::tree_attention,
+    which the ONNX export, the engines and the TensorRT plugin rely on."""
+    ep = torch.export.export(_Attend(), _attend_args(), strict=strict)
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert torch.ops.glance.tree_attention.default in targets
+    torch.testing.assert_close(ep.module()(*_attend_args()), _Attend()(*_attend_args()))
+
+
+def test_compiled_graph_records_the_named_op():
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    out = torch.compile(_Attend(), backend=backend, fullgraph=True)(*_attend_args())
+    assert torch.ops.glance.tree_attention.default in seen
+    torch.testing.assert_close(out, _Attend()(*_attend_args()))

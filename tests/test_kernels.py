@@ -12,7 +12,7 @@ import glance_rt
 from glance_rt import GlanceError
 from glance_rt.models import kernels as K
 from glance_rt.models.kernels import ChosenLinear, KernelPlan, KernelTuner, kernel_summary, nearest_class
-from glance_rt.models.linear import PackedLinear, can_pack
+from glance_rt.models.linear import PackedLinear, TransposedLinear, can_pack
 from tests.conftest import hf_greedy, tiny_target
 from tests.tiny_models import make_inputs
 
@@ -20,18 +20,24 @@ pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="needs a CP
 
 
 class FakeTimer:
-    """Deterministic timings: oneDNN wins where `onednn_wins(out, in, rows)`; records every call."""
+    """Deterministic timings: oneDNN wins where `onednn_wins(out, in, rows)`, else MKL over the
+    transposed weight where `transposed_wins(...)`; records every call."""
 
-    def __init__(self, onednn_wins):
-        self.onednn_wins, self.calls = onednn_wins, []
+    def __init__(self, onednn_wins, transposed_wins=lambda o, i, r: False):
+        self.onednn_wins, self.transposed_wins, self.calls = onednn_wins, transposed_wins, []
 
     def __call__(self, out_f, in_f, rows, dtype):
         self.calls.append((out_f, in_f, rows))
-        return {"mkl": 1.0, "onednn": 0.5 if self.onednn_wins(out_f, in_f, rows) else 2.0}
+        return {"mkl": 1.0, "mkl_t": 0.7 if self.transposed_wins(out_f, in_f, rows) else 3.0,
+                "onednn": 0.5 if self.onednn_wins(out_f, in_f, rows) else 2.0}
 
 
 def mixed(out_f, in_f, rows):  # oneDNN for some shapes at some row counts only
     return (out_f + rows) % 2 == 1
+
+
+def mixed_transposed(out_f, in_f, rows):  # MKL over the transposed weight for some others
+    return (out_f + rows) % 3 == 0
 
 
 def test_choice_needs_the_margin_and_prefers_the_plain_kernel_on_a_tie():
@@ -40,6 +46,9 @@ def test_choice_needs_the_margin_and_prefers_the_plain_kernel_on_a_tie():
     assert t.choose({"mkl": 1.0, "onednn": 0.96}) == "mkl"  # faster, but within the margin
     assert t.choose({"mkl": 1.0, "onednn": 1.0}) == "mkl"
     assert t.choose({"mkl": 1.0, "onednn": 3.0}) == "mkl"
+    assert t.choose({"mkl": 1.0, "mkl_t": 0.6, "onednn": 0.9}) == "mkl_t"  # the fastest of three
+    assert t.choose({"mkl": 1.0, "mkl_t": 0.97, "onednn": 1.2}) == "mkl"
+    assert t.choose({"mkl": 1.0, "mkl_t": 0.5, "onednn": 0.5}) == "mkl_t"  # a tie: the first in KERNELS
 
 
 def test_nearest_class_is_log_scale():
@@ -58,31 +67,52 @@ def test_plan_builds_the_module_each_choice_needs():
                       PackedLinear)
     assert isinstance(KernelPlan(9).linear(lin), PackedLinear)  # no tuner: oneDNN everywhere (prepack=True)
     chosen = KernelPlan(9, (9, 64), KernelTuner(FakeTimer(lambda o, i, r: r == 64), cache=False)).linear(lin)
-    assert isinstance(chosen, ChosenLinear) and chosen.onednn_rows == {64}
+    assert isinstance(chosen, ChosenLinear) and chosen.kernels == {9: "mkl", 64: "onednn"}
+    assert chosen.transposed is None  # only the layouts some class runs are made
+    transposed = KernelPlan(9, (1, 9), KernelTuner(FakeTimer(lambda o, i, r: False, lambda o, i, r: True),
+                                                   cache=False)).linear(lin)
+    assert isinstance(transposed, TransposedLinear)
+    three = KernelPlan(9, (1, 9, 64), KernelTuner(FakeTimer(lambda o, i, r: r == 64, lambda o, i, r: r == 1),
+                                                  cache=False)).linear(lin)
+    assert three.kernels == {1: "mkl_t", 9: "mkl", 64: "onednn"}
     assert KernelPlan(9).linear(nn.Linear(4, 4).bfloat16()).weight.dtype == torch.bfloat16  # not packable: as is
 
 
-@pytest.mark.parametrize("rows", [1, 9, 40, 300])
+@pytest.mark.parametrize("rows", [1, 2, 9, 40, 300])
 def test_chosen_linear_is_linear_and_runs_the_chosen_kernel(rows, monkeypatch):
     torch.manual_seed(0)
     lin = nn.Linear(64, 96)
-    chosen = ChosenLinear(lin, (64,), (9, 64), 9)
+    kernels = {1: "mkl_t", 9: "mkl", 64: "onednn"}
+    chosen = ChosenLinear(lin, kernels, 9)
     used = []
-    packed = chosen.packed
-    monkeypatch.setattr(packed, "forward", lambda x: used.append("onednn") or PackedLinear.forward(packed, x))
+    for kernel, side, cls in (("onednn", chosen.packed, PackedLinear), ("mkl_t", chosen.transposed, TransposedLinear)):
+        monkeypatch.setattr(side, "forward", lambda x, k=kernel, m=side, c=cls: used.append(k) or c.forward(m, x))
     x = torch.randn(1, rows, 64)
     with torch.no_grad():
         torch.testing.assert_close(chosen(x), torch.nn.functional.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
-    assert used == (["onednn"] if nearest_class(rows, (9, 64)) == 64 else [])  # else torch's own linear
-    assert kernel_summary(nn.Sequential(chosen)) == {"96x64": {9: "mkl", 64: "onednn"}}  # not its packed side
+    want = kernels[nearest_class(rows, tuple(kernels))]
+    assert used == ([] if want == "mkl" else [want])  # "mkl": torch's own linear
+    assert kernel_summary(nn.Sequential(chosen)) == {"96x64": kernels}  # not its sides
 
 
 def test_chosen_linear_thresholds_are_nearest_class():
-    classes = (1, 9, 33, 64)
-    chosen = ChosenLinear(nn.Linear(8, 8), (9, 64), classes, 9)
+    kernels = {1: "mkl", 9: "onednn", 33: "mkl_t", 64: "onednn"}
+    chosen = ChosenLinear(nn.Linear(8, 8), kernels, 9)
     for rows in range(1, 200):
-        use = next(onednn for bound, onednn in chosen.steps if rows <= bound)
-        assert use == (nearest_class(rows, classes) in (9, 64)), rows
+        use = next(kernel for bound, kernel in chosen.steps if rows <= bound)
+        assert use == kernels[nearest_class(rows, tuple(kernels))], rows
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_transposed_linear_is_linear(bias):
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 80, bias=bias)
+    t = TransposedLinear(lin.weight, lin.bias)
+    for shape in ((1, 1, 48), (1, 9, 48), (3, 48)):
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            torch.testing.assert_close(t(x), lin(x), rtol=1e-5, atol=1e-5)
+    assert kernel_summary(nn.Sequential(t)) == {"80x48": "mkl_t"}
 
 
 def test_cache_hit_miss_stale_and_unreadable(tmp_path, monkeypatch):
@@ -117,28 +147,30 @@ def test_cache_hit_miss_stale_and_unreadable(tmp_path, monkeypatch):
 
 def test_real_timer_times_both_kernels():
     t = K.time_linear(32, 16, 4, torch.float32, budget_s=0.001)
-    assert set(t) == {"mkl", "onednn"} and all(v > 0 for v in t.values())
+    assert set(t) == set(K.KERNELS) and all(v > 0 for v in t.values())
     m = K.machine()
     assert m["cpu"] and m["cores"] >= 1 and m["torch"] == torch.__version__
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("plan", ["mixed", "mkl", "onednn", "auto"])
+@pytest.mark.parametrize("plan", ["mixed", "mkl", "onednn", "mkl_t", "auto"])
 def test_tokens_are_hf_greedy_whichever_kernels_are_chosen(arch, plan, tmp_path):
     target, model, processor = tiny_target(arch)
     inputs = make_inputs(arch, processor)
     ref = hf_greedy(model, inputs, 24)
     drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=2)
-    wins = {"mixed": mixed, "mkl": lambda o, i, r: False, "onednn": lambda o, i, r: True}.get(plan)
-    prepack = "auto" if wins is None else KernelTuner(FakeTimer(wins), cache=tmp_path / "k.json")
+    never, always = (lambda o, i, r: False), (lambda o, i, r: True)
+    wins = {"mixed": (mixed, mixed_transposed), "mkl": (never, never), "onednn": (always, never),
+            "mkl_t": (never, always)}.get(plan)
+    prepack = "auto" if wins is None else KernelTuner(FakeTimer(*wins), cache=tmp_path / "k.json")
     dec = glance_rt.Decoder(target, drafter, tree_budget=6, lookup=0, prepack=prepack)
     assert dec.generate(max_new_tokens=24, **inputs).token_ids == ref
     kinds = {k for pass_ in dec.kernel_choices.values() for v in pass_.values()
              for k in (v.values() if isinstance(v, dict) else [v])}
     if plan == "mixed":
-        assert kinds == {"mkl", "onednn"}
+        assert kinds == {"mkl", "mkl_t", "onednn"}
         assert any(isinstance(m, ChosenLinear) for m in dec.verifier.modules())
-    elif plan in ("mkl", "onednn"):
+    elif plan in ("mkl", "onednn", "mkl_t"):
         assert kinds == {plan}
     ar = glance_rt.Decoder(target, None, prepack=prepack)  # one-row autoregression: its own row class
     assert ar.generate(max_new_tokens=24, **inputs).token_ids == ref
@@ -168,6 +200,18 @@ def test_aoti_flavor_is_chosen_by_measurement(onednn_faster, flavor, tmp_path):
     user, graphs, record = choose_flavor("aoti", "shared", target, None, [8], False, 16)
     assert user == "shared" and graphs is None and record["chosen_by"] == "user"
     assert choose_flavor("onnxruntime", None, target, None, [8], False, 16)[0] == "portable"
+
+
+def test_aoti_flavor_weighs_only_the_kernels_a_flavor_runs(tmp_path):
+    """MKL over transposed weights is no engine flavor: however fast, it picks neither."""
+    from glance_rt.engines.engine import choose_flavor
+
+    target, _, _ = tiny_target("llama")
+    for onednn, flavor in ((lambda o, i, r: False, "shared"), (lambda o, i, r: True, "frozen")):
+        timer = FakeTimer(onednn, lambda o, i, r: True)
+        got, _, record = choose_flavor("aoti", None, target, None, [8], False, 16,
+                                       KernelTuner(timer, cache=tmp_path / f"{flavor}.json"))
+        assert got == flavor and all(set(t) == {"mkl", "onednn"} for t in record["linear_seconds"].values())
 
 
 def test_aoti_flavor_per_graph_is_mixed_where_the_graphs_differ(tmp_path):
@@ -205,4 +249,13 @@ def test_an_unwritable_cache_warns_and_still_chooses(tmp_path):
     blocker.write_text("")  # a file where the cache folder should be: the write fails
     with pytest.warns(glance_rt.GlanceWarning, match="kernel timing cache"):
         got = KernelTuner(FakeTimer(mixed), cache=blocker / "kernels.json").timings([(3, 4, 1, torch.float32)])
-    assert got[(3, 4, 1, torch.float32)] == {"mkl": 1.0, "onednn": 2.0}
+    assert got[(3, 4, 1, torch.float32)] == {"mkl": 1.0, "mkl_t": 3.0, "onednn": 2.0}
+
+
+def test_bench_names_every_kernel_it_was_given():
+    from glance_rt.tools.bench import kernel_line
+
+    line = kernel_line({"verify": {"8x8": "mkl", "9x8": {1: "mkl_t", 9: "onednn"}, "7x8": "onednn"},
+                        "draft": {"8x8": "mkl"}})
+    assert line == ("verify: oneDNN for 9x8 at 9 rows, 7x8; MKL over the transposed weight for 9x8 at 1 rows "
+                    "(2 of 3 shapes; the rest torch's own); draft: none (0 of 1 shapes; the rest torch's own)")

@@ -122,8 +122,10 @@ def unique_graphs() -> int:
 
 
 def mixed_kernels(tmp_path) -> KernelTuner:
-    """A tuner whose (fake, deterministic) timings pick oneDNN for some shapes at some row counts only."""
-    return KernelTuner(lambda o, i, r, dt: {"mkl": 1.0, "onednn": 0.5 if (o + r) % 2 else 2.0},
+    """A tuner whose (fake, deterministic) timings pick each kernel (torch's own, oneDNN, MKL over the
+    transposed weight) for some shapes at some row counts."""
+    return KernelTuner(lambda o, i, r, dt: {"mkl": 1.0, "mkl_t": 0.5 if (o + r) % 3 == 2 else 2.0,
+                                            "onednn": 0.5 if (o + r) % 3 == 1 else 2.0},
                        cache=tmp_path / "kernels.json")
 
 

@@ -10,6 +10,11 @@ Implementations: `tree_attention_reference` (torch SDPA) on CPU and any device w
 on CUDA, the Triton kernel in `glance_rt/plugins/tree_attention_triton.py` (reads prefix_len on the
 device, attends only the rows each query can see, CUDA-graph capturable), the same kernel the
 TensorRT plugin bakes into its engines.
+
+The passes call `attend`: the named op, except when plain CPU tensors run outside any tracer or
+compiler, where it calls the op's CPU implementation directly (the same function, without the
+dispatcher's per-call cost; docs/benchmarks.md, "Eager attention without the dispatcher"). Every
+graph (torch.compile, torch.export, ONNX, AOTInductor) still records `glance::tree_attention`.
 """
 
 import torch
@@ -76,3 +81,13 @@ def _(q, k, v, tree_mask, prefix_len, scale):
 @tree_attention.register_fake
 def _(q, k, v, tree_mask, prefix_len, scale):
     return q.new_empty(q.shape)  # contiguous, as the real kernel returns
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len: Tensor, scale: float) -> Tensor:
+    """What the passes call. Shapes as in `tree_attention_reference`. Plain CPU tensors outside a tracer
+    (eager decoding) take the op's CPU implementation directly: a custom op's Python dispatch costs tens
+    of microseconds a call, once per layer per pass, a few percent of an eager one-row step. Anything
+    traced or compiled (fake, functional or proxy tensors; dynamo) goes through the named op."""
+    if type(q) is Tensor and q.device.type == "cpu" and not torch.compiler.is_compiling():
+        return tree_attention_reference(q, k, v, tree_mask, prefix_len, scale)
+    return tree_attention(q, k, v, tree_mask, prefix_len, scale)

@@ -3,17 +3,20 @@
 A round's linear layers are GEMMs of a few rows (a tree of budget+1 rows, a draft block, one row in
 autoregression) plus the prompt's prefill. Which kernel is fastest at those shapes depends on the
 CPU: MKL's fp32 GEMM (torch's own `linear`) was ~2x slower than oneDNN's prepacked kernel
-(`glance::packed_linear`) at a round's shapes on an AMD EPYC, and ~30% faster on an Intel Xeon. So
-no rule is fixed here: `KernelTuner` times both kernels for each (weight shape, row class, dtype)
-the decoder will run, keeps the faster (oneDNN only when it beats MKL by `margin`: never slower
-than the plain kernel), and caches the timings in a JSON file keyed by the machine (CPU model,
-cores, torch threads, torch / MKL / oneDNN versions), so the cost (a second or two for a model's
-handful of shapes) is paid once per machine.
+(`glance::packed_linear`) at a round's shapes on an AMD EPYC, and ~30% faster on an Intel Xeon,
+where MKL in turn ran the 49,152-row head at one row ~1.7x faster over a transposed copy of the
+weight than over the weight as it lies. So no rule is fixed here: `KernelTuner` times the kernels
+(`KERNELS`) for each (weight shape, row class, dtype) the decoder will run, keeps the fastest (any
+other than torch's own only when it beats it by `margin`: never slower than the plain kernel), and
+caches the timings in a JSON file keyed by the machine (CPU model, cores, torch threads, torch /
+MKL / oneDNN versions), so the cost (a few seconds for a model's handful of shapes) is paid once
+per machine.
 
 `KernelPlan` is the result for one pass: `plan.linear(nn.Linear)` returns the module itself (MKL
-at every row class), a `PackedLinear` (oneDNN at every row class) or a `ChosenLinear` (per row
-class). Either kernel computes the same product (other summation order, fp32 rounding): the tokens
-are those of HF greedy whichever is chosen (tested with forced and mixed plans).
+at every row class), a `PackedLinear` (oneDNN at every row class), a `TransposedLinear` (MKL over
+the transposed weight at every row class) or a `ChosenLinear` (per row class). Every kernel
+computes the same product (other summation order, fp32 rounding): the tokens are those of HF
+greedy whichever is chosen (tested with forced and mixed plans).
 """
 
 import hashlib
@@ -34,11 +37,13 @@ from torch import Tensor, nn
 
 from glance_rt.errors import GlanceWarning
 from glance_rt.files import atomic_write
-from glance_rt.models.linear import PackedLinear, can_pack
+from glance_rt.models.linear import PackedLinear, TransposedLinear, can_pack
 
-KERNELS = ("mkl", "onednn")  # mkl: torch's own linear; onednn: glance::packed_linear (prepacked weight)
+# mkl: torch's own linear (MKL's GEMM over the weight [out, in] as it lies); mkl_t: MKL's GEMM over a
+# transposed copy [in, out] (`TransposedLinear`); onednn: glance::packed_linear (oneDNN-prepacked weight)
+KERNELS = ("mkl", "mkl_t", "onednn")
 PREFILL_ROWS = 64  # the row class of prefill and long context passes
-CACHE_FORMAT = 2  # 2: weights timed cold (time_linear); a file of another format is re-timed
+CACHE_FORMAT = 3  # 2: weights timed cold (time_linear); 3: + mkl_t. A file of another format is re-timed
 
 
 # ----------------------------------------------------------------------------- the machine
@@ -97,23 +102,24 @@ COLD_BYTES = 256 << 20  # weight copies cycled through while timing: more than a
 
 def time_linear(out_features: int, in_features: int, rows: int, dtype: torch.dtype,
                 budget_s: float = 0.03, max_reps: int = 41, cold_bytes: int = COLD_BYTES) -> dict:
-    """Median seconds per call of each kernel for x [rows, in] @ W[out, in].T on this CPU, with the
-    weight cold as it is in a decoder pass (each layer's weight is read once per pass, and a model's
-    weights outgrow the caches): every call takes the next of enough copies of the weight to fill
-    `cold_bytes`, the oldest first. The two kernels alternate (interleaved, so a load change hits
-    both), 3 warm-up calls each, then until each has run `budget_s` or `max_reps` calls (at least 5)."""
+    """Median seconds per call of each kernel (`KERNELS`) for x [rows, in] @ W[out, in].T on this CPU,
+    with the weight cold as it is in a decoder pass (each layer's weight is read once per pass, and a
+    model's weights outgrow the caches): every call takes the next of enough copies of the weight to
+    fill `cold_bytes`, the oldest first. The kernels take turns (interleaved, so a load change hits
+    all), 3 warm-up calls each, then until each has run `budget_s` or `max_reps` calls (at least 5)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=g, dtype=torch.float32).to(dtype)
     x = torch.randn(1, rows, in_features, generator=g, dtype=torch.float32).to(dtype)
     copies = max(1, min(max_reps + 3, -(-cold_bytes // (w.numel() * w.element_size()))))
     plain = [w.clone() for _ in range(copies)]
-    packed = [PackedLinear(wi, None, rows) for wi in plain]
+    modules = {"mkl_t": [TransposedLinear(wi, None) for wi in plain],
+               "onednn": [PackedLinear(wi, None, rows) for wi in plain]}
     calls = dict.fromkeys(KERNELS, 0)
 
     def run(kernel: str):
         i = calls[kernel] % copies
         calls[kernel] += 1
-        return F.linear(x, plain[i]) if kernel == "mkl" else packed[i](x)
+        return F.linear(x, plain[i]) if kernel == "mkl" else modules[kernel][i](x)
 
     with torch.inference_mode():
         for kernel in calls:
@@ -137,9 +143,10 @@ def time_linear(out_features: int, in_features: int, rows: int, dtype: torch.dty
 @dataclass(frozen=True)
 class KernelTuner:
     """Chooses a kernel per (weight shape, rows, dtype) by timing (`timer(out, in, rows, dtype)` ->
-    {"mkl": s, "onednn": s}); timings are cached in `cache` (None: `default_cache_path()`; False:
-    no file) under the key of `machine()`, so a change of CPU, threads or library version re-times.
-    `margin`: oneDNN is chosen only when it is at least this fraction faster than MKL."""
+    {kernel: s} over `KERNELS`, "mkl" always among them); timings are cached in `cache` (None:
+    `default_cache_path()`; False: no file) under the key of `machine()`, so a change of CPU, threads
+    or library version re-times. `margin`: a kernel other than torch's own ("mkl") is chosen only
+    when it is at least this fraction faster."""
 
     timer: Callable = time_linear
     cache: Path | bool | None = None
@@ -162,7 +169,7 @@ class KernelTuner:
         return data if data.get("format") == CACHE_FORMAT else {}
 
     def timings(self, requests: list[tuple[int, int, int, torch.dtype]]) -> dict:
-        """{(out, in, rows, dtype): {"mkl": s, "onednn": s}} for every request, timing only what
+        """{(out, in, rows, dtype): {kernel: s}} for every request, timing only what
         neither this tuner nor the cache file holds; new timings are written back (atomically). The
         file is read only when this tuner lacks a request, and then all of its valid timings for this
         machine are kept, so building a decoder's layers reads it about once."""
@@ -192,11 +199,15 @@ class KernelTuner:
                               "writable folder to keep them", GlanceWarning, stacklevel=3)
 
     def choose(self, timing: dict) -> str:
-        return "onednn" if timing["onednn"] < (1 - self.margin) * timing["mkl"] else "mkl"
+        """The fastest kernel of `timing` ({kernel: s}, "mkl" among them); "mkl" unless another beats
+        it by the margin (a tie goes to the kernel listed first in `KERNELS`)."""
+        best = min(sorted(timing, key=KERNELS.index), key=timing.__getitem__)
+        return best if timing[best] < (1 - self.margin) * timing["mkl"] else "mkl"
 
 
 def _valid(timing) -> bool:
-    return isinstance(timing, dict) and all(isinstance(timing.get(k), (int, float)) and timing[k] > 0 for k in KERNELS)
+    return isinstance(timing, dict) and set(timing) == set(KERNELS) and all(
+        isinstance(v, (int, float)) and v > 0 for v in timing.values())
 
 
 def _entry(out_features: int, in_features: int, rows: int, dtype: torch.dtype) -> str:
@@ -232,7 +243,8 @@ class KernelPlan:
 
     def linear(self, module: nn.Module) -> nn.Module:
         """The module that runs `module`: itself (MKL at every row class, or not a packable
-        nn.Linear), a `PackedLinear` (oneDNN at every class) or a `ChosenLinear` (per class)."""
+        nn.Linear), a `PackedLinear` (oneDNN at every class), a `TransposedLinear` (MKL over the
+        transposed weight at every class) or a `ChosenLinear` (per class)."""
         if not (isinstance(module, nn.Linear) and can_pack(module.weight)):
             return module
         ks = self.kernels(module.weight)
@@ -241,7 +253,9 @@ class KernelPlan:
             return module
         if used == {"onednn"}:
             return PackedLinear(module.weight, module.bias, self.layout_rows)
-        return ChosenLinear(module, tuple(r for r, k in ks.items() if k == "onednn"), tuple(ks), self.layout_rows)
+        if used == {"mkl_t"}:
+            return TransposedLinear(module.weight, module.bias)
+        return ChosenLinear(module, ks, self.layout_rows)
 
 
 
@@ -251,44 +265,54 @@ def with_plan(plan: KernelPlan | None, module: nn.Module) -> nn.Module:
 
 
 class ChosenLinear(nn.Module):
-    """`linear(x)` through oneDNN's packed weight at the row classes in `onednn_rows`, through
-    torch's own linear (MKL) at the others; x [..., in] -> [..., out]. The row count of x picks its
-    nearest class (a static shape in a compiled graph, so each graph runs one kernel per layer)."""
+    """`linear(x)` through the kernel `kernels` {row class: kernel} names for each row class:
+    torch's own linear (MKL), oneDNN's packed weight or MKL over the transposed weight; x [..., in]
+    -> [..., out]. The row count of x picks its nearest class (a static shape in a compiled graph,
+    so each graph runs one kernel per layer). Only the layouts some class uses are made."""
 
-    def __init__(self, linear: nn.Linear, onednn_rows: tuple[int, ...], classes: tuple[int, ...], layout_rows: int):
+    def __init__(self, linear: nn.Linear, kernels: dict[int, str], layout_rows: int):
         super().__init__()
+        used = set(kernels.values())
         self.linear = linear
-        self.packed = PackedLinear(linear.weight, linear.bias, layout_rows)
-        self.onednn_rows, self.classes = frozenset(onednn_rows), classes
+        self.packed = PackedLinear(linear.weight, linear.bias, layout_rows) if "onednn" in used else None
+        self.transposed = TransposedLinear(linear.weight, linear.bias) if "mkl_t" in used else None
+        self.kernels = dict(sorted(kernels.items()))
         # nearest_class as thresholds (geometric means of neighbouring classes): a few int compares a call
-        ordered = sorted(classes)
+        ordered = list(self.kernels)
         bounds = [math.sqrt(a * b) for a, b in zip(ordered, ordered[1:], strict=False)] + [math.inf]
-        self.steps = tuple((bound, c in self.onednn_rows) for bound, c in zip(bounds, ordered, strict=True))
+        self.steps = tuple((bound, self.kernels[c]) for bound, c in zip(bounds, ordered, strict=True))
 
     def forward(self, x: Tensor) -> Tensor:
         rows = x.numel() // x.shape[-1]
-        for bound, onednn in self.steps:
+        for bound, kernel in self.steps:
             if rows <= bound:
-                return self.packed(x) if onednn else F.linear(x, self.linear.weight, self.linear.bias)
+                if kernel == "onednn":
+                    return self.packed(x)
+                if kernel == "mkl_t":
+                    return self.transposed(x)
+                return F.linear(x, self.linear.weight, self.linear.bias)
         raise AssertionError("unreachable: the last bound is infinite")
 
 
 def kernel_summary(module: nn.Module) -> dict:
     """{"OUTxIN": kernel or {rows class: kernel}} for the linear layers inside `module`."""
     mods = list(module.modules())
-    inner = {id(side) for m in mods if isinstance(m, ChosenLinear) for side in (m.linear, m.packed)}  # its two sides
+    inner = {id(side) for m in mods if isinstance(m, ChosenLinear)
+             for side in (m.linear, m.packed, m.transposed) if side is not None}  # its sides
     out = {}
     for m in mods:
         if id(m) in inner:
             continue
         if isinstance(m, ChosenLinear):
-            out[_shape(m.linear)] = {r: "onednn" if r in m.onednn_rows else "mkl" for r in m.classes}
+            out[_shape(m.linear)] = dict(m.kernels)
         elif isinstance(m, PackedLinear):
             out[_shape(m)] = "onednn"
+        elif isinstance(m, TransposedLinear):
+            out[_shape(m)] = "mkl_t"
         elif isinstance(m, nn.Linear):
             out[_shape(m)] = "mkl"
     return out
 
 
-def _shape(linear: nn.Module) -> str:  # an nn.Linear or a PackedLinear
+def _shape(linear: nn.Module) -> str:  # an nn.Linear, a PackedLinear or a TransposedLinear
     return f"{linear.out_features}x{linear.in_features}"

@@ -64,6 +64,23 @@ class PackedLinear(nn.Module):
         return torch.ops.glance.packed_linear(x, self.packed, self.bias, self.out_features)
 
 
+class TransposedLinear(nn.Module):
+    """`linear(x)` as x @ W.T with W.T stored once as a contiguous [in, out] copy: MKL's GEMM over the
+    weight in the other layout (its one-row case ran ~1.7x faster this way for a 49,152 x 576 head on
+    an Intel Xeon; `kernels.py` times it). x [..., in] -> [..., out]."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight_t", weight.detach().t().contiguous(), persistent=False)  # [in, out]
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, self.in_features)  # [N, in]
+        y = torch.mm(x2, self.weight_t) if self.bias is None else torch.addmm(self.bias, x2, self.weight_t)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 def packed(linear: nn.Module, rows: int) -> nn.Module:
     """A PackedLinear of an `nn.Linear` laid out for `rows` rows when packable; the module itself
     when rows is 0 (packing off) or it cannot be packed."""

@@ -10,7 +10,7 @@ its shape and row count: torch's own, or oneDNN's prepacked copy (`glance_rt.mod
 import torch
 from torch import Tensor, nn
 
-from glance_rt.models.attention import tree_attention
+from glance_rt.models.attention import attend
 from glance_rt.models.kernels import KernelPlan, with_plan
 from glance_rt.models.kv_cache import KVCache
 
@@ -46,7 +46,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(layer, rows, k, v)
         k_all, v_all = cache.read(layer, kv_len)  # [1, KVH, L, D]
-        out = tree_attention(q, k_all, v_all, tree_mask, rows[0], self.scale)  # [1, H, T, D]
+        out = attend(q, k_all, v_all, tree_mask, rows[0], self.scale)  # [1, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(1, t, self.n_heads * self.head_dim))
 
 

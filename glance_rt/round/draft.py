@@ -15,7 +15,7 @@ import copy
 import torch
 from torch import Tensor, nn
 
-from glance_rt.models.attention import tree_attention
+from glance_rt.models.attention import attend as attend_tree
 from glance_rt.models.drafter import GlanceDrafter, rope, rope_tables
 from glance_rt.models.kernels import KernelPlan, with_plan
 from glance_rt.models.kv_cache import KVCache
@@ -88,7 +88,7 @@ class DraftPass(nn.Module):
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # the block's rows join the cache
             self.cache.write(i, rows, k, v)
             k_all, v_all = self.cache.read(i, kv_len)  # [1, nkv, L, D]
-            return tree_attention(q, k_all, v_all, self.block_mask, block_start, scale)
+            return attend_tree(q, k_all, v_all, self.block_mask, block_start, scale)
 
         # all B rows through the head, then drop row 0 (a GEMM of B rows is the faster shape);
         # draft numerics never affect the output, only acceptance

@@ -442,19 +442,26 @@ def markdown(report: dict) -> str:
 
 
 def kernel_line(choices: dict) -> str:
-    """`verify: oneDNN for 1536x576, 49152x576 at 9 rows (2 of 5 shapes; the rest torch's own); draft: ...`
-    from `Decoder.kernel_choices` (shape -> kernel, or -> {rows: kernel} where the row classes differ)."""
+    """`verify: oneDNN for 1536x576, 49152x576 at 9 rows; MKL over the transposed weight for 49152x576 at 1 rows
+    (3 of 5 shapes; the rest torch's own); draft: ...` from `Decoder.kernel_choices` (shape -> kernel, or
+    -> {rows: kernel} where the row classes differ)."""
+    names = {"onednn": "oneDNN", "mkl_t": "MKL over the transposed weight"}
     parts = []
     for pass_name, shapes in choices.items():
-        onednn = []
+        picked: dict[str, list[str]] = {k: [] for k in names}
+        others = set()
         for shape, k in shapes.items():
-            if k == "onednn":
-                onednn.append(shape)
-            elif isinstance(k, dict) and "onednn" in k.values():
-                rows = sorted((r for r, kk in k.items() if kk == "onednn"), key=_rows_order)
-                onednn.append(f"{shape} at {', '.join(map(str, rows))} rows")
-        picked = ", ".join(onednn) if onednn else "none"
-        parts.append(f"{pass_name}: oneDNN for {picked} ({len(onednn)} of {len(shapes)} shapes; the rest torch's own)")
+            if isinstance(k, dict):
+                for kernel in names:
+                    rows = sorted((r for r, kk in k.items() if kk == kernel), key=_rows_order)
+                    if rows:
+                        picked[kernel].append(f"{shape} at {', '.join(map(str, rows))} rows")
+                        others.add(shape)
+            elif k in names:
+                picked[k].append(shape)
+                others.add(shape)
+        said = "; ".join(f"{names[k]} for {', '.join(v)}" for k, v in picked.items() if v) or "none"
+        parts.append(f"{pass_name}: {said} ({len(others)} of {len(shapes)} shapes; the rest torch's own)")
     return "; ".join(parts)
 
 
