@@ -427,8 +427,9 @@ def markdown(report: dict) -> str:
         lines.append(f"| {kind} | " + " | ".join(_fmt(s["speedup_vs_ar"]) for s in ms.values()) + " |")
     kernels = {m: kernel_line(k) for m, k in (report.get("kernels") or {}).items() if k}
     if kernels:
-        lines += ["", "Linear-layer kernels (oneDNN-prepacked vs torch's own, chosen per shape and row class; "
-                  "`glance_rt.models.kernels`):", ""] + [f"- {m}: {line}" for m, line in kernels.items()]
+        lines += ["", "Linear-layer kernels (torch's own, oneDNN-prepacked or MKL over a transposed copy, chosen "
+                  "per shape and row class; `glance_rt.models.kernels`):", ""]
+        lines += [f"- {m}: {line}" for m, line in kernels.items()]
     for name, e in (report.get("engines") or {}).items():
         where = "an unrecorded CPU" if e["built_on"] is None else e["built_on"]
         per_graph = (" (" + ", ".join(f"{g} {f}" for g, f in e["graphs"].items()) + ")"
