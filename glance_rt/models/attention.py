@@ -13,7 +13,7 @@ TensorRT plugin bakes into its engines.
 
 The passes call `attend`: the named op, except when plain CPU tensors run outside any tracer or
 compiler, where it calls the op's CPU implementation directly (the same function, without the
-dispatcher's per-call cost; docs/benchmarks.md, "Eager attention without the dispatcher"). Every
+dispatcher's per-call cost; docs/engines.md, "Eager attention without the dispatcher"). Every
 graph (torch.compile, torch.export, ONNX, AOTInductor) still records `glance::tree_attention`.
 """
 
