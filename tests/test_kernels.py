@@ -68,7 +68,7 @@ def test_plan_builds_the_module_each_choice_needs():
     assert isinstance(KernelPlan(9).linear(lin), PackedLinear)  # no tuner: oneDNN everywhere (prepack=True)
     chosen = KernelPlan(9, (9, 64), KernelTuner(FakeTimer(lambda o, i, r: r == 64), cache=False)).linear(lin)
     assert isinstance(chosen, ChosenLinear) and chosen.kernels == {9: "mkl", 64: "onednn"}
-    assert chosen.transposed is None  # only the layouts some class runs are made
+    assert set(chosen.sides) == {"onednn"}  # only the layouts some class runs are made
     transposed = KernelPlan(9, (1, 9), KernelTuner(FakeTimer(lambda o, i, r: False, lambda o, i, r: True),
                                                    cache=False)).linear(lin)
     assert isinstance(transposed, TransposedLinear)
@@ -85,7 +85,9 @@ def test_chosen_linear_is_linear_and_runs_the_chosen_kernel(rows, monkeypatch):
     kernels = {1: "mkl_t", 9: "mkl", 64: "onednn"}
     chosen = ChosenLinear(lin, kernels, 9)
     used = []
-    for kernel, side, cls in (("onednn", chosen.packed, PackedLinear), ("mkl_t", chosen.transposed, TransposedLinear)):
+    for kernel, cls in (("onednn", PackedLinear), ("mkl_t", TransposedLinear)):
+        side = chosen.sides[kernel]
+        assert isinstance(side, cls)
         monkeypatch.setattr(side, "forward", lambda x, k=kernel, m=side, c=cls: used.append(k) or c.forward(m, x))
     x = torch.randn(1, rows, 64)
     with torch.no_grad():
@@ -259,3 +261,19 @@ def test_bench_names_every_kernel_it_was_given():
                         "draft": {"8x8": "mkl"}})
     assert line == ("verify: oneDNN for 9x8 at 9 rows, 7x8; MKL over the transposed weight for 9x8 at 1 rows "
                     "(2 of 3 shapes; the rest torch's own); draft: none (0 of 1 shapes; the rest torch's own)")
+
+
+@pytest.mark.parametrize("kernel,cls", [("mkl", nn.Linear), ("mkl_t", TransposedLinear), ("onednn", PackedLinear)])
+def test_kernel_module_computes_the_linear_with_its_kernel(kernel, cls):
+    torch.manual_seed(0)
+    lin = nn.Linear(40, 56)
+    m = K.kernel_module(kernel, lin, 9)
+    assert type(m) is cls and (m is lin) == (kernel == "mkl")  # torch's own: the layer as it is
+    x = torch.randn(2, 5, 40)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_module_refuses_an_unknown_kernel():
+    with pytest.raises(ValueError, match="unknown kernel"):
+        K.kernel_module("cublas", nn.Linear(4, 4), 9)

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glance_rt.errors import GlanceWarning
@@ -43,7 +42,22 @@ from glance_rt.models.linear import PackedLinear, TransposedLinear, can_pack
 # transposed copy [in, out] (`TransposedLinear`); onednn: glance::packed_linear (oneDNN-prepacked weight)
 KERNELS = ("mkl", "mkl_t", "onednn")
 PREFILL_ROWS = 64  # the row class of prefill and long context passes
-CACHE_FORMAT = 3  # 2: weights timed cold (time_linear); 3: + mkl_t. A file of another format is re-timed
+# 2: weights timed cold (time_linear); 3: + mkl_t; 4: every kernel timed through its module
+# (`kernel_module`), torch's own too. A file of another format is re-timed
+CACHE_FORMAT = 4
+
+
+def kernel_module(kernel: str, linear: nn.Linear, layout_rows: int) -> nn.Module:
+    """The module that computes `linear` with `kernel` (one of `KERNELS`): the nn.Linear itself
+    ("mkl"), a `TransposedLinear` ("mkl_t") or a `PackedLinear` laid out for `layout_rows` rows
+    ("onednn"). The one place a kernel's name becomes a module (timing, plans, `ChosenLinear`)."""
+    if kernel == "mkl":
+        return linear
+    if kernel == "mkl_t":
+        return TransposedLinear(linear.weight, linear.bias)
+    if kernel == "onednn":
+        return PackedLinear(linear.weight, linear.bias, layout_rows)
+    raise ValueError(f"unknown kernel {kernel!r}: one of {KERNELS}")
 
 
 # ----------------------------------------------------------------------------- the machine
@@ -111,15 +125,17 @@ def time_linear(out_features: int, in_features: int, rows: int, dtype: torch.dty
     w = torch.randn(out_features, in_features, generator=g, dtype=torch.float32).to(dtype)
     x = torch.randn(1, rows, in_features, generator=g, dtype=torch.float32).to(dtype)
     copies = max(1, min(max_reps + 3, -(-cold_bytes // (w.numel() * w.element_size()))))
-    plain = [w.clone() for _ in range(copies)]
-    modules = {"mkl_t": [TransposedLinear(wi, None) for wi in plain],
-               "onednn": [PackedLinear(wi, None, rows) for wi in plain]}
+    plain = [nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False, dtype=dtype) for _ in range(copies)]
+    with torch.no_grad():
+        for lin in plain:
+            lin.weight.copy_(w)
+    modules = {k: [kernel_module(k, lin, rows) for lin in plain] for k in KERNELS}
     calls = dict.fromkeys(KERNELS, 0)
 
     def run(kernel: str):
         i = calls[kernel] % copies
         calls[kernel] += 1
-        return F.linear(x, plain[i]) if kernel == "mkl" else modules[kernel][i](x)
+        return modules[kernel][i](x)
 
     with torch.inference_mode():
         for kernel in calls:
@@ -249,12 +265,8 @@ class KernelPlan:
             return module
         ks = self.kernels(module.weight)
         used = set(ks.values())
-        if used == {"mkl"}:
-            return module
-        if used == {"onednn"}:
-            return PackedLinear(module.weight, module.bias, self.layout_rows)
-        if used == {"mkl_t"}:
-            return TransposedLinear(module.weight, module.bias)
+        if len(used) == 1:
+            return kernel_module(used.pop(), module, self.layout_rows)
         return ChosenLinear(module, ks, self.layout_rows)
 
 
@@ -268,14 +280,14 @@ class ChosenLinear(nn.Module):
     """`linear(x)` through the kernel `kernels` {row class: kernel} names for each row class:
     torch's own linear (MKL), oneDNN's packed weight or MKL over the transposed weight; x [..., in]
     -> [..., out]. The row count of x picks its nearest class (a static shape in a compiled graph,
-    so each graph runs one kernel per layer). Only the layouts some class uses are made."""
+    so each graph runs one kernel per layer). Only the layouts some class uses are made: `sides`
+    {kernel: module} holds them, torch's own (`linear`) apart."""
 
     def __init__(self, linear: nn.Linear, kernels: dict[int, str], layout_rows: int):
         super().__init__()
-        used = set(kernels.values())
         self.linear = linear
-        self.packed = PackedLinear(linear.weight, linear.bias, layout_rows) if "onednn" in used else None
-        self.transposed = TransposedLinear(linear.weight, linear.bias) if "mkl_t" in used else None
+        self.sides = nn.ModuleDict({k: kernel_module(k, linear, layout_rows)
+                                    for k in sorted(set(kernels.values())) if k != "mkl"})
         self.kernels = dict(sorted(kernels.items()))
         # nearest_class as thresholds (geometric means of neighbouring classes): a few int compares a call
         ordered = list(self.kernels)
@@ -286,11 +298,7 @@ class ChosenLinear(nn.Module):
         rows = x.numel() // x.shape[-1]
         for bound, kernel in self.steps:
             if rows <= bound:
-                if kernel == "onednn":
-                    return self.packed(x)
-                if kernel == "mkl_t":
-                    return self.transposed(x)
-                return F.linear(x, self.linear.weight, self.linear.bias)
+                return self.linear(x) if kernel == "mkl" else self.sides[kernel](x)
         raise AssertionError("unreachable: the last bound is infinite")
 
 
@@ -298,7 +306,7 @@ def kernel_summary(module: nn.Module) -> dict:
     """{"OUTxIN": kernel or {rows class: kernel}} for the linear layers inside `module`."""
     mods = list(module.modules())
     inner = {id(side) for m in mods if isinstance(m, ChosenLinear)
-             for side in (m.linear, m.packed, m.transposed) if side is not None}  # its sides
+             for side in (m.linear, *m.sides.values())}  # its sides
     out = {}
     for m in mods:
         if id(m) in inner:
