@@ -2,14 +2,16 @@
 
     python scripts/lookup_study.py runs              # how far the chain lookup proposes is right, per kind
     python scripts/lookup_study.py caps 8:4,8:6 20   # held-out tau with the chain capped at CAP rows
+    python scripts/lookup_study.py caps 8:6 20 runs/smollm2-v7/drafter   # ... of another drafter
 
 `runs` reads the response store of the default target: at every response position, the chain
 `prompt_lookup` (n <= 3) proposes there is compared with the response, and the number of its leading
 tokens that are right is counted (the chain a round could accept, up to 4, 7 or 15 rows).
 
 `caps` decodes held-out prompts of the shipped corpus (PER_KIND of each kind, 128 new tokens, the
-shipped drafter, eager) at tree budget BUDGET with the chain capped at CAP rows (deeper than the
-block where CAP > B-1), each pair in turn, and prints tau overall and per kind. This experiment swaps
+shipped drafter or the drafter folder given, eager) at tree budget BUDGET with the chain capped at
+CAP rows (deeper than the block where CAP > B-1), each pair in turn, and prints tau overall and per
+kind. This experiment swaps
 `glance_rt.round.tree.lookup_rows` (the one rule the decoder asks) for each pair; the library's rule
 is what the measurements chose. Tau does not depend on timing, so this may run beside other work.
 """
@@ -50,14 +52,14 @@ def chain_runs(store: str = "data/responses/smollm2-135m-instruct", per_kind: in
               f"{np.minimum(v, 15).mean():.2f} |")
 
 
-def capped_tau(pairs: list[tuple[int, int]], per_kind: int) -> None:
+def capped_tau(pairs: list[tuple[int, int]], per_kind: int, drafter_dir: str | None = None) -> None:
     import glance_rt
     import glance_rt.round.tree as tree
     from glance_rt.tools.suites import default_corpus_path, read_prompts
     from glance_rt.tools.train import heldout_rows
 
     target = glance_rt.load_target(None)
-    drafter = glance_rt.load_drafter(None, target)
+    drafter = glance_rt.load_drafter(drafter_dir, target)
     rows = heldout_rows(read_prompts(default_corpus_path()), per_kind)
     for budget, cap in pairs:
         tree.lookup_rows = lambda block, b, cap=cap: min(cap, b)  # this experiment's rule (see the docstring)
@@ -75,8 +77,8 @@ def capped_tau(pairs: list[tuple[int, int]], per_kind: int) -> None:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["runs"]:
         chain_runs()
-    elif argv[:1] == ["caps"] and len(argv) == 3:
-        capped_tau([tuple(int(x) for x in p.split(":")) for p in argv[1].split(",")], int(argv[2]))
+    elif argv[:1] == ["caps"] and len(argv) in (3, 4):
+        capped_tau([tuple(int(x) for x in p.split(":")) for p in argv[1].split(",")], int(argv[2]), *argv[3:])
     else:
         print(__doc__)
         return 2
