@@ -11,9 +11,9 @@ tokens that are right is counted (the chain a round could accept, up to 4, 7 or 
 `caps` decodes held-out prompts of the shipped corpus (PER_KIND of each kind, 128 new tokens, the
 shipped drafter or the drafter folder given, eager) at tree budget BUDGET with the chain capped at
 CAP rows (deeper than the block where CAP > B-1), each pair in turn, and prints tau overall and per
-kind. This experiment swaps
-`glance_rt.round.tree.lookup_rows` (the one rule the decoder asks) for each pair; the library's rule
-is what the measurements chose. Tau does not depend on timing, so this may run beside other work.
+kind. This experiment swaps `glance_rt.round.tree.lookup_rows` (the one rule the decoder asks) for
+each pair; the library's rule is what the measurements chose. Tau does not depend on timing, so
+this may run beside other work.
 """
 
 import collections
