@@ -16,7 +16,8 @@ from glance_rt import __version__
 from glance_rt.errors import GlanceError
 from glance_rt.round.tree import check_budget
 
-FORMAT = "glance-rt/engine/2"  # 2: draft context and accepted paths of max_depth + 1 rows (deep lookup chains)
+FORMAT = "glance-rt/engine/3"  # 2: draft context and accepted paths of max_depth + 1 rows (deep lookup chains);
+# 3: the target decoder's weights are named per row class (`stacks.0.…`, `heads.0`)
 
 
 def weights_hash(module) -> str:

@@ -11,7 +11,7 @@ from torch import nn
 import glance_rt
 from glance_rt import GlanceError
 from glance_rt.models import kernels as K
-from glance_rt.models.kernels import ChosenLinear, KernelPlan, KernelTuner, kernel_summary, nearest_class
+from glance_rt.models.kernels import KernelPlan, KernelTuner, kernel_summary, nearest_class
 from glance_rt.models.linear import PackedLinear, TransposedLinear, can_pack
 from tests.conftest import hf_greedy, tiny_target
 from tests.tiny_models import make_inputs
@@ -60,49 +60,59 @@ def test_nearest_class_is_log_scale():
     assert nearest_class(500, (1, 9, 64)) == 64
 
 
+def plan_of(onednn_wins, transposed_wins=lambda o, i, r: False, classes=(9, 64), layout=9):
+    return KernelPlan(layout, classes, KernelTuner(FakeTimer(onednn_wins, transposed_wins), cache=False))
+
+
 def test_plan_builds_the_module_each_choice_needs():
     lin = nn.Linear(16, 24)
-    assert KernelPlan(9, (9, 64), KernelTuner(FakeTimer(lambda o, i, r: False), cache=False)).linear(lin) is lin
-    assert isinstance(KernelPlan(9, (9, 64), KernelTuner(FakeTimer(lambda o, i, r: True), cache=False)).linear(lin),
-                      PackedLinear)
-    assert isinstance(KernelPlan(9).linear(lin), PackedLinear)  # no tuner: oneDNN everywhere (prepack=True)
-    chosen = KernelPlan(9, (9, 64), KernelTuner(FakeTimer(lambda o, i, r: r == 64), cache=False)).linear(lin)
-    assert isinstance(chosen, ChosenLinear) and chosen.kernels == {9: "mkl", 64: "onednn"}
-    assert set(chosen.sides) == {"onednn"}  # only the layouts some class runs are made
-    transposed = KernelPlan(9, (1, 9), KernelTuner(FakeTimer(lambda o, i, r: False, lambda o, i, r: True),
-                                                   cache=False)).linear(lin)
-    assert isinstance(transposed, TransposedLinear)
-    three = KernelPlan(9, (1, 9, 64), KernelTuner(FakeTimer(lambda o, i, r: r == 64, lambda o, i, r: r == 1),
-                                                  cache=False)).linear(lin)
-    assert three.kernels == {1: "mkl_t", 9: "mkl", 64: "onednn"}
-    assert KernelPlan(9).linear(nn.Linear(4, 4).bfloat16()).weight.dtype == torch.bfloat16  # not packable: as is
+    assert plan_of(lambda o, i, r: False).linear(lin, 9) is lin  # MKL: the module itself
+    assert isinstance(plan_of(lambda o, i, r: True).linear(lin, 9), PackedLinear)
+    assert isinstance(KernelPlan(9).linear(lin, 1), PackedLinear)  # no tuner: oneDNN everywhere (prepack=True)
+    assert KernelPlan(9).row_classes() == (9,)
+    plan = plan_of(lambda o, i, r: r == 64, lambda o, i, r: r == 1, classes=(1, 9, 64))
+    assert plan.row_classes() == (1, 9, 64) and plan.kernels(lin.weight) == {1: "mkl_t", 9: "mkl", 64: "onednn"}
+    assert isinstance(plan.linear(lin, 1), TransposedLinear)
+    assert plan.linear(lin, 5) is lin and plan.linear(lin, 12) is lin  # the nearest class: 9
+    assert isinstance(plan.linear(lin, 300), PackedLinear)
+    assert plan.linear(lin, 64) is plan.linear(lin, 40)  # one layout per weight and kernel, shared
+    other = nn.Linear(16, 24)
+    assert plan.linear(other, 64) is not plan.linear(lin, 64)
+    assert KernelPlan(9).linear(nn.Linear(4, 4).bfloat16(), 9).weight.dtype == torch.bfloat16  # not packable: as is
+
+
+def test_kernel_summary_names_one_kernel_or_one_per_class():
+    lin, head = nn.Linear(64, 96), nn.Linear(64, 200)
+    plan = plan_of(lambda o, i, r: r == 64 and o == 96, lambda o, i, r: r == 1, classes=(1, 64), layout=1)
+    by_class = {rows: [nn.ModuleList([plan.linear(lin, rows), plan.linear(head, rows)])] for rows in (1, 9, 64)}
+    assert kernel_summary(by_class) == {"96x64": {1: "mkl_t", 9: "onednn", 64: "onednn"},
+                                        "200x64": {1: "mkl_t", 9: "mkl", 64: "mkl"}}
+    assert kernel_summary({9: [lin], 64: [lin]}) == {"96x64": "mkl"}
 
 
 @pytest.mark.parametrize("rows", [1, 2, 9, 40, 300])
-def test_chosen_linear_is_linear_and_runs_the_chosen_kernel(rows, monkeypatch):
+def test_decoder_runs_the_stack_of_its_row_count(rows):
+    """Each row class has its own layer stack (no per-layer dispatch); a pass of `rows` rows runs the
+    stack of the nearest class, whose kernels are the plan's for that class, and computes the same."""
+    from glance_rt.models.target import TargetDecoder
+
+    target, model, _ = tiny_target("llama")
+    plan = plan_of(lambda o, i, r: r == 64, lambda o, i, r: r == 1, classes=(1, 9, 64))
+    dec, plain = (TargetDecoder(target.parts, 320, (0,), plan=p) for p in (plan, None))
+    assert dec.row_classes == (1, 9, 64) and len(dec.stacks) == len(dec.heads) == 3
+    q = [stack[0].self_attn.q_proj for stack in dec.stacks]
+    assert isinstance(q[0], TransposedLinear) and isinstance(q[1], nn.Linear) and isinstance(q[2], PackedLinear)
+    ran = []
+    for i, stack in enumerate(dec.stacks):
+        stack[0].register_forward_pre_hook(lambda m, args, i=i: ran.append(i))
     torch.manual_seed(0)
-    lin = nn.Linear(64, 96)
-    kernels = {1: "mkl_t", 9: "mkl", 64: "onednn"}
-    chosen = ChosenLinear(lin, kernels, 9)
-    used = []
-    for kernel, cls in (("onednn", PackedLinear), ("mkl_t", TransposedLinear)):
-        side = chosen.sides[kernel]
-        assert isinstance(side, cls)
-        monkeypatch.setattr(side, "forward", lambda x, k=kernel, m=side, c=cls: used.append(k) or c.forward(m, x))
-    x = torch.randn(1, rows, 64)
+    x = torch.randn(1, rows, target.parts.text_config.hidden_size)
+    pos, start, mask = torch.arange(rows)[None], torch.tensor(0), torch.ones(rows, rows, dtype=torch.bool).tril()
     with torch.no_grad():
-        torch.testing.assert_close(chosen(x), torch.nn.functional.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
-    want = kernels[nearest_class(rows, tuple(kernels))]
-    assert used == ([] if want == "mkl" else [want])  # "mkl": torch's own linear
-    assert kernel_summary(nn.Sequential(chosen)) == {"96x64": kernels}  # not its sides
-
-
-def test_chosen_linear_thresholds_are_nearest_class():
-    kernels = {1: "mkl", 9: "onednn", 33: "mkl_t", 64: "onednn"}
-    chosen = ChosenLinear(nn.Linear(8, 8), kernels, 9)
-    for rows in range(1, 200):
-        use = next(kernel for bound, kernel in chosen.steps if rows <= bound)
-        assert use == kernels[nearest_class(rows, tuple(kernels))], rows
+        got, want = (d(x, pos, start, mask, rows) for d in (dec, plain))
+    assert ran == [(1, 9, 64).index(K.nearest_class(rows, (1, 9, 64)))]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -114,7 +124,7 @@ def test_transposed_linear_is_linear(bias):
         x = torch.randn(*shape)
         with torch.no_grad():
             torch.testing.assert_close(t(x), lin(x), rtol=1e-5, atol=1e-5)
-    assert kernel_summary(nn.Sequential(t)) == {"80x48": "mkl_t"}
+    assert kernel_summary({1: [t]}) == {"80x48": "mkl_t"}
 
 
 def test_cache_hit_miss_stale_and_unreadable(tmp_path, monkeypatch):
@@ -171,7 +181,7 @@ def test_tokens_are_hf_greedy_whichever_kernels_are_chosen(arch, plan, tmp_path)
              for k in (v.values() if isinstance(v, dict) else [v])}
     if plan == "mixed":
         assert kinds == {"mkl", "mkl_t", "onednn"}
-        assert any(isinstance(m, ChosenLinear) for m in dec.verifier.modules())
+        assert len(dec.verifier.stacks) > 1  # a stack per row class
     elif plan in ("mkl", "onednn", "mkl_t"):
         assert kinds == {plan}
     ar = glance_rt.Decoder(target, None, prepack=prepack)  # one-row autoregression: its own row class

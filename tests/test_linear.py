@@ -37,7 +37,7 @@ def test_decoder_prepacks_only_where_it_applies():
     target, _, _ = tiny_target("llama")
     d = glance_rt.init_drafter(target, block_size=4)
     dec = glance_rt.Decoder(target, d, tree_budget=6, prepack=True)
-    assert dec.prepack and isinstance(dec.verifier.layers[0].self_attn.q_proj, PackedLinear)
+    assert dec.prepack and isinstance(dec.verifier.stacks[0][0].self_attn.q_proj, PackedLinear)
     assert isinstance(dec.drafter.head, PackedLinear)
     assert isinstance(target.parts.text_model.layers[0].self_attn.q_proj, nn.Linear)  # HF modules untouched
     assert not glance_rt.Decoder(target, d, tree_budget=6, prepack=False).prepack

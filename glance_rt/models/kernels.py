@@ -12,9 +12,9 @@ caches the timings in a JSON file keyed by the machine (CPU model, cores, torch 
 MKL / oneDNN versions), so the cost (a few seconds for a model's handful of shapes) is paid once
 per machine.
 
-`KernelPlan` is the result for one pass: `plan.linear(nn.Linear)` returns the module itself (MKL
-at every row class), a `PackedLinear` (oneDNN at every row class), a `TransposedLinear` (MKL over
-the transposed weight at every row class) or a `ChosenLinear` (per row class). Every kernel
+`KernelPlan` is the result for one pass: a pass keeps one module set per row class, and
+`plan.linear(nn.Linear, rows)` gives the class's module: the nn.Linear itself (MKL), a
+`PackedLinear` (oneDNN) or a `TransposedLinear` (MKL over the transposed weight). Every kernel
 computes the same product (other summation order, fp32 rounding): the tokens are those of HF
 greedy whichever is chosen (tested with forced and mixed plans).
 """
@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glance_rt.errors import GlanceWarning
@@ -51,7 +50,7 @@ CACHE_FORMAT = 4
 def kernel_module(kernel: str, linear: nn.Linear, layout_rows: int) -> nn.Module:
     """The module that computes `linear` with `kernel` (one of `KERNELS`): the nn.Linear itself
     ("mkl"), a `TransposedLinear` ("mkl_t") or a `PackedLinear` laid out for `layout_rows` rows
-    ("onednn"). The one place a kernel's name becomes a module (timing, plans, `ChosenLinear`)."""
+    ("onednn"). The one place a kernel's name becomes a module (timing, plans)."""
     if kernel == "mkl":
         return linear
     if kernel == "mkl_t":
@@ -243,86 +242,70 @@ def nearest_class(rows: int, classes: tuple[int, ...]) -> int:
 class KernelPlan:
     """How one pass's linear layers run. `tuner` None: oneDNN-prepacked everywhere (`prepack=True`);
     else each weight shape gets, per row class in `classes`, the kernel `tuner` measured faster.
-    `layout_rows`: the row count oneDNN's packed layout is laid out for."""
+    `layout_rows`: the row count oneDNN's packed layout is laid out for.
+
+    A pass runs several row counts (a round's rows, prefill), so it holds one module set per row
+    class (`row_classes`) and picks the set once per call by its row count: each linear layer is
+    then the chosen kernel's module itself, with no per-layer dispatch (that cost ~2% of a one-row
+    decode step, measured). `linear(module, rows)` makes each (weight, kernel) layout once, shared by
+    the classes that choose it."""
 
     layout_rows: int
     classes: tuple[int, ...] = ()
     tuner: KernelTuner | None = None
+    _made: dict = field(default_factory=dict, compare=False, repr=False)  # (id(weight), kernel) -> (weight, module)
+
+    def row_classes(self) -> tuple[int, ...]:
+        """The row classes this plan makes module sets for, ascending."""
+        return (self.layout_rows,) if self.tuner is None else tuple(sorted({*self.classes, self.layout_rows}))
 
     def kernels(self, weight: Tensor) -> dict[int, str]:
         """{rows class: kernel} for a weight [out, in]."""
         if self.tuner is None:
             return {self.layout_rows: "onednn"}
         out_f, in_f = weight.shape
-        classes = tuple(sorted(set(self.classes) | {self.layout_rows}))
+        classes = self.row_classes()
         times = self.tuner.timings([(out_f, in_f, r, weight.dtype) for r in classes])
         return {r: self.tuner.choose(times[(out_f, in_f, r, weight.dtype)]) for r in classes}
 
-    def linear(self, module: nn.Module) -> nn.Module:
-        """The module that runs `module`: itself (MKL at every row class, or not a packable
-        nn.Linear), a `PackedLinear` (oneDNN at every class), a `TransposedLinear` (MKL over the
-        transposed weight at every class) or a `ChosenLinear` (per class)."""
+    def linear(self, module: nn.Module, rows: int) -> nn.Module:
+        """The module that runs `module` at `rows` rows (its nearest row class's kernel): itself (MKL,
+        or not a packable nn.Linear), a `TransposedLinear` (MKL over the transposed weight) or a
+        `PackedLinear` (oneDNN). The same weight and kernel give the same module, whatever the class."""
         if not (isinstance(module, nn.Linear) and can_pack(module.weight)):
             return module
         ks = self.kernels(module.weight)
-        used = set(ks.values())
-        if len(used) == 1:
-            return kernel_module(used.pop(), module, self.layout_rows)
-        return ChosenLinear(module, ks, self.layout_rows)
+        kernel = ks[nearest_class(rows, tuple(ks))]
+        if kernel == "mkl":
+            return module
+        key = (id(module.weight), kernel)  # the value keeps the weight alive, so its id stays its own
+        if key not in self._made:
+            self._made[key] = (module.weight, kernel_module(kernel, module, self.layout_rows))
+        return self._made[key][1]
 
 
-
-def with_plan(plan: KernelPlan | None, module: nn.Module) -> nn.Module:
-    """`plan.linear(module)`, or the module itself when there is no plan (the plain kernels)."""
-    return module if plan is None else plan.linear(module)
-
-
-class ChosenLinear(nn.Module):
-    """`linear(x)` through the kernel `kernels` {row class: kernel} names for each row class:
-    torch's own linear (MKL), oneDNN's packed weight or MKL over the transposed weight; x [..., in]
-    -> [..., out]. The row count of x picks its nearest class (a static shape in a compiled graph,
-    so each graph runs one kernel per layer). Only the layouts some class uses are made: `sides`
-    {kernel: module} holds them, torch's own (`linear`) apart."""
-
-    def __init__(self, linear: nn.Linear, kernels: dict[int, str], layout_rows: int):
-        super().__init__()
-        self.linear = linear
-        self.sides = nn.ModuleDict({k: kernel_module(k, linear, layout_rows)
-                                    for k in sorted(set(kernels.values())) if k != "mkl"})
-        self.kernels = dict(sorted(kernels.items()))
-        # nearest_class as thresholds (geometric means of neighbouring classes): a few int compares a call
-        ordered = list(self.kernels)
-        bounds = [math.sqrt(a * b) for a, b in zip(ordered, ordered[1:], strict=False)] + [math.inf]
-        self.steps = tuple((bound, self.kernels[c]) for bound, c in zip(bounds, ordered, strict=True))
-
-    def forward(self, x: Tensor) -> Tensor:
-        rows = x.numel() // x.shape[-1]
-        for bound, kernel in self.steps:
-            if rows <= bound:  # the kernel itself, not a second module call: a decode step makes ~200 of these
-                if kernel == "mkl":
-                    return F.linear(x, self.linear.weight, self.linear.bias)
-                return self.sides[kernel].forward(x)
-        raise AssertionError("unreachable: the last bound is infinite")
+def with_plan(plan: KernelPlan | None, module: nn.Module, rows: int) -> nn.Module:
+    """`plan.linear(module, rows)`, or the module itself when there is no plan (the plain kernels)."""
+    return module if plan is None else plan.linear(module, rows)
 
 
-def kernel_summary(module: nn.Module) -> dict:
-    """{"OUTxIN": kernel or {rows class: kernel}} for the linear layers inside `module`."""
-    mods = list(module.modules())
-    inner = {id(side) for m in mods if isinstance(m, ChosenLinear)
-             for side in (m.linear, *m.sides.values())}  # its sides
-    out = {}
-    for m in mods:
-        if id(m) in inner:
-            continue
-        if isinstance(m, ChosenLinear):
-            out[_shape(m.linear)] = dict(m.kernels)
-        elif isinstance(m, PackedLinear):
-            out[_shape(m)] = "onednn"
-        elif isinstance(m, TransposedLinear):
-            out[_shape(m)] = "mkl_t"
-        elif isinstance(m, nn.Linear):
-            out[_shape(m)] = "mkl"
-    return out
+def class_index(rows: int, classes: tuple[int, ...]) -> int:
+    """The index in `classes` (ascending) of `rows`' nearest class: how a pass picks its module set."""
+    return classes.index(nearest_class(rows, classes))
+
+
+def kernel_summary(by_class: dict[int, list[nn.Module]]) -> dict:
+    """{"OUTxIN": kernel or {rows class: kernel}} for the linear layers a pass runs at each row class
+    ({rows class: [modules]}); a shape that runs one kernel at every class gets the kernel's name."""
+    runs: dict[str, dict[int, str]] = {}
+    for rows, modules in by_class.items():
+        for m in (m for top in modules for m in top.modules()):
+            kernel = ("onednn" if isinstance(m, PackedLinear) else "mkl_t" if isinstance(m, TransposedLinear)
+                      else "mkl" if isinstance(m, nn.Linear) else None)
+            if kernel is not None:
+                runs.setdefault(_shape(m), {})[rows] = kernel
+    return {shape: ks.popitem()[1] if len(set(ks.values())) == 1 else dict(sorted(ks.items()))
+            for shape, ks in runs.items()}
 
 
 def _shape(linear: nn.Module) -> str:  # an nn.Linear, a PackedLinear or a TransposedLinear

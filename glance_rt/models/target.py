@@ -4,14 +4,19 @@ Projections, norms, MLPs and the rotary table are the HF modules themselves (sha
 so numerics match the HF forward; what is ours is the forward: explicit positions (1-D or M-RoPE),
 a static KV cache written by index, and attention through `glance::tree_attention`. With a
 `KernelPlan` (fp32 on a CPU, eager or compiled) each linear layer runs the kernel the plan chose for
-its shape and row count: torch's own, or oneDNN's prepacked copy (`glance_rt.models.kernels`).
+its shape and row count: torch's own, MKL over a transposed copy, or oneDNN's prepacked copy
+(`glance_rt.models.kernels`). The decoder keeps one layer stack per row class of the plan (the
+stacks share the norms, the rotary table and each kernel's weight layout) and each call runs the
+stack of its row count.
 """
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from glance_rt.models.attention import attend
-from glance_rt.models.kernels import KernelPlan, with_plan
+from glance_rt.models.kernels import KernelPlan, class_index, with_plan
 from glance_rt.models.kv_cache import KVCache
 
 
@@ -25,11 +30,15 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
+# how a linear layer runs in a stack: the module that computes it (None: the HF module as it is)
+Kernel = Callable[[nn.Module], nn.Module] | None
+
+
 class Attention(nn.Module):
-    def __init__(self, hf_attn: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, plan: KernelPlan | None):
+    def __init__(self, hf_attn: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, kernel: Kernel):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            with_plan(plan, getattr(hf_attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            _run(kernel, getattr(hf_attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
         self.q_norm = getattr(hf_attn, "q_norm", None)  # Qwen3: RMSNorm over head_dim
         self.k_norm = getattr(hf_attn, "k_norm", None)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
@@ -53,10 +62,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """The HF gated MLP, `down(act(gate(x)) * up(x))`, over its own projections, each run by the plan's kernel."""
 
-    def __init__(self, hf_mlp: nn.Module, plan: KernelPlan):
+    def __init__(self, hf_mlp: nn.Module, kernel: Kernel):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = (
-            with_plan(plan, getattr(hf_mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
+            _run(kernel, getattr(hf_mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
         self.act_fn = hf_mlp.act_fn
 
     def forward(self, x: Tensor) -> Tensor:
@@ -64,14 +73,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, hf_layer: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, plan: KernelPlan | None):
+    def __init__(self, hf_layer: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, kernel: Kernel):
         super().__init__()
         self.input_layernorm = hf_layer.input_layernorm
         self.post_attention_layernorm = hf_layer.post_attention_layernorm
-        self.self_attn = Attention(hf_layer.self_attn, n_heads, n_kv_heads, head_dim, plan)
+        self.self_attn = Attention(hf_layer.self_attn, n_heads, n_kv_heads, head_dim, kernel)
         mlp = hf_layer.mlp
         gated = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-        self.mlp = MLP(mlp, plan) if plan is not None and gated else mlp
+        self.mlp = MLP(mlp, kernel) if kernel is not None and gated else mlp
 
     def forward(self, h, cos, sin, cache, layer, rows, kv_len, tree_mask):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, rows, kv_len, tree_mask)
@@ -87,7 +96,8 @@ class TargetDecoder(nn.Module):
     asked for and the concatenated hidden states of `feature_layers`: the outputs of those decoder
     layers, indexed like HF's `hidden_states[i + 1]` (so the last layer's is taken after the final
     norm). `plan`: the kernel of each linear layer (`glance_rt.models.kernels.KernelPlan`; None: the
-    HF modules as they are).
+    HF modules as they are): `stacks[i]` and `heads[i]` run row class `row_classes[i]`, chosen by a
+    call's row count (the head's: the logit rows).
     """
 
     def __init__(self, parts, max_len: int, feature_layers: tuple[int, ...] = (), plan: KernelPlan | None = None):
@@ -97,14 +107,25 @@ class TargetDecoder(nn.Module):
         n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
         self.embed_tokens = tm.embed_tokens
-        self.layers = nn.ModuleList(Block(layer, n_heads, n_kv, head_dim, plan) for layer in tm.layers)
+        self.row_classes = plan.row_classes() if plan is not None else (1,)
+
+        def stack(rows: int) -> nn.ModuleList:
+            kernel = None if plan is None else (lambda linear: plan.linear(linear, rows))
+            return nn.ModuleList(Block(layer, n_heads, n_kv, head_dim, kernel) for layer in tm.layers)
+
+        self.stacks = nn.ModuleList(stack(rows) for rows in self.row_classes)
+        self.heads = nn.ModuleList(with_plan(plan, parts.lm_head, rows) for rows in self.row_classes)
         self.norm = tm.norm
         self.rotary_emb = tm.rotary_emb
-        self.lm_head = with_plan(plan, parts.lm_head)
         self.feature_layers = tuple(feature_layers)
         self.mrope = bool(parts.mrope)  # positions are [3, 1, T] (M-RoPE), else [1, T]
         w = self.embed_tokens.weight
-        self.cache = KVCache(len(self.layers), n_kv, max_len, head_dim, w.dtype, w.device)
+        self.cache = KVCache(len(tm.layers), n_kv, max_len, head_dim, w.dtype, w.device)
+
+    def kernel_modules(self) -> dict[int, list[nn.Module]]:
+        """{row class: the modules that run at it} (`glance_rt.models.kernels.kernel_summary`)."""
+        classes = zip(self.row_classes, self.stacks, self.heads, strict=True)
+        return {rows: [stack, head] for rows, stack, head in classes}
 
     def forward(
         self,
@@ -118,17 +139,22 @@ class TargetDecoder(nn.Module):
         cos, sin = self.rotary_emb(embeds, positions)  # [1, T, D]
         rows = start + torch.arange(embeds.shape[1], device=embeds.device)  # [T]
         h, feats = embeds, {}
-        for i, layer in enumerate(self.layers):
+        layers = self.stacks[class_index(embeds.shape[1], self.row_classes)]  # T is static: one stack per graph
+        for i, layer in enumerate(layers):
             h = layer(h, cos, sin, self.cache, i, rows, kv_len, tree_mask)
             if i in self.feature_layers:
                 feats[i] = h
-        last = len(self.layers) - 1
+        last = len(layers) - 1
         if last in feats:  # as HF's hidden_states[-1]: the last layer's output comes after the final norm
             feats[last] = self.norm(h)
         h = self.norm(h if logit_rows is None else h.index_select(1, logit_rows))
-        logits = self.lm_head(h)[0]  # [T', V]
+        logits = self.heads[class_index(h.shape[1], self.row_classes)](h)[0]  # [T', V]
         if feats:
             features = torch.cat([feats[i] for i in self.feature_layers], -1)[0]  # [T, F]
         else:
             features = embeds.new_zeros(embeds.shape[1], 0)
         return logits, features
+
+
+def _run(kernel: Kernel, linear: nn.Module) -> nn.Module:
+    return linear if kernel is None else kernel(linear)

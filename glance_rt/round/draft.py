@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from glance_rt.models.attention import attend as attend_tree
 from glance_rt.models.drafter import GlanceDrafter, rope, rope_tables
-from glance_rt.models.kernels import KernelPlan, with_plan
+from glance_rt.models.kernels import KernelPlan, class_index, nearest_class, with_plan
 from glance_rt.models.kv_cache import KVCache
 from glance_rt.models.linear import swap_linears
 
@@ -32,11 +32,15 @@ class DraftPass(nn.Module):
                  plan: KernelPlan | None = None):
         super().__init__()
         c = drafter.config
-        if plan is not None:  # a copy whose linear layers run the plan's kernels (glance_rt.models.kernels)
-            drafter = copy.deepcopy(drafter)
-            swap_linears(drafter, plan.linear)
-        self.drafter, self.embed_tokens, self.lm_head = drafter, embed_tokens, lm_head
+        # with a plan, one drafter per row class whose linear layers run the plan's kernels at that class
+        # (glance_rt.models.kernels; copies of the structure, sharing the weights): the block runs its
+        # class's, a context pass the class of its row count
+        self.row_classes = plan.row_classes() if plan is not None else (c.block_size,)
+        self.drafters = nn.ModuleList(drafter if plan is None else planned(drafter, plan, rows)
+                                      for rows in self.row_classes)
+        self.embed_tokens, self.lm_head = embed_tokens, lm_head
         self.block_size = c.block_size
+        drafter = self.drafter
         self.target_layer_ids = c.target_layer_ids
         w = drafter.hidden_norm.weight  # (fc may be prepacked: no .weight)
         self.cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
@@ -54,12 +58,23 @@ class DraftPass(nn.Module):
             self.sub_head.weight.copy_(lm_head.weight.detach()[drafter.draft_vocab])  # [Vd, H]
             if bias is not None:
                 self.sub_head.bias.copy_(bias.detach()[drafter.draft_vocab])
-        self.head = with_plan(plan, lm_head if self.sub_head is None else self.sub_head)
+        self.head = with_plan(plan, lm_head if self.sub_head is None else self.sub_head, c.block_size)
+
+    @property
+    def drafter(self) -> GlanceDrafter:
+        """The drafter the block runs (its row class's kernels)."""
+        return self.drafters[class_index(self.block_size, self.row_classes)]
 
     @property
     def draft_vocab(self) -> Tensor | None:
         """[Vd] the token id of each draft-logit column, or None (column j is token j)."""
         return getattr(self.drafter, "draft_vocab", None)
+
+    def kernel_modules(self) -> dict[int, list[nn.Module]]:
+        """{row class: the modules that run at it} (`glance_rt.models.kernels.kernel_summary`)."""
+        block = nearest_class(self.block_size, self.row_classes)
+        return {rows: [d, self.head] if rows == block else [d] for rows, d in zip(self.row_classes, self.drafters,
+                                                                               strict=True)}
 
     def block_embeds(self, bonus: Tensor) -> Tensor:
         x = self.embed_tokens(torch.cat([bonus.view(1), self.block_ids[1:]]))[None]  # [1, B, H]
@@ -70,7 +85,7 @@ class DraftPass(nn.Module):
     def context(self, ctx_feats: Tensor, ctx_start: Tensor) -> None:
         """Project context rows ctx_feats [m, F] (target features) into every layer's cache rows
         [ctx_start, ctx_start + m)."""
-        d = self.drafter
+        d = self.drafters[class_index(ctx_feats.shape[0], self.row_classes)]
         ctx = d.context(ctx_feats)[None]  # [1, m, H]
         rows = ctx_start + torch.arange(ctx.shape[1], device=ctx.device)  # [m]
         cos, sin = rope_tables(self.inv_freq, rows, ctx.dtype, self.rope_scaling)  # [1, m, D]
@@ -106,3 +121,11 @@ class DraftPass(nn.Module):
             return torch.tensor(x, device=dev)
 
         return self.step(ctx_feats, t(ctx_start), t(bonus), t(block_start), block_start + self.block_size)
+
+
+def planned(drafter: GlanceDrafter, plan: KernelPlan, rows: int) -> GlanceDrafter:
+    """A copy of `drafter` (its structure; the weights are shared) whose linear layers run `plan`'s kernels
+    at `rows` rows."""
+    copied = copy.deepcopy(drafter, memo={id(t): t for t in (*drafter.parameters(), *drafter.buffers())})
+    swap_linears(copied, lambda linear: plan.linear(linear, rows))
+    return copied

@@ -187,8 +187,8 @@ class Decoder:
         runs at each row class ("mkl": torch's own linear, "onednn": prepacked); {} on plain weights."""
         out = {}
         for name, module in (("verify", self.verifier), ("draft", self.drafter)):
-            if module is not None and self.prepack:
-                out[name] = kernel_summary(module)
+            if self.prepack and hasattr(module, "kernel_modules"):  # a TargetDecoder or a DraftPass
+                out[name] = kernel_summary(module.kernel_modules())
         return out
 
     @property

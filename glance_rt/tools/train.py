@@ -835,7 +835,7 @@ def train(target, cfg: TrainConfig):
     n_parts = len(_parts(train_rows))
     store = open_store(target, cfg)
     kernels = KernelPlan(PACK_ROWS, (PACK_ROWS,), KernelTuner())  # each layer's faster kernel on this CPU
-    linear = functools.cache(kernels.linear)  # one replacement per module, however often it is swapped in
+    linear = functools.partial(kernels.linear, rows=PACK_ROWS)  # one module per weight, however often swapped in
     with swapped_linears(target.hf_model, linear):  # stages 1-2 run the HF model; modules put back
         stage_responses(target, train_rows, heldout_rows(rows, cfg.eval_per_kind), cfg, out, rank, world, store)
         if cfg.until == "responses":
