@@ -3,6 +3,7 @@
 whichever kernels are chosen."""
 
 import json
+from fractions import Fraction
 
 import pytest
 import torch
@@ -58,6 +59,17 @@ def test_nearest_class_is_log_scale():
     assert nearest_class(20, (1, 9, 64)) == 9  # the boundary is the geometric mean, 24
     assert nearest_class(30, (1, 9, 64)) == 64
     assert nearest_class(500, (1, 9, 64)) == 64
+
+
+def test_class_index_is_the_nearest_class_in_log_scale():
+    def reference(rows, classes):  # |log rows - log c| = log(max/min): compare the ratios exactly
+        return min(classes, key=lambda c: (Fraction(max(rows, c), min(rows, c)), c))
+
+    for classes in ((1,), (9,), (1, 9), (1, 9, 64), (5, 9, 17, 33, 64), (1, 8, 64)):
+        for rows in range(1, 300):
+            want = reference(rows, classes)
+            assert classes[K.class_index(rows, classes)] == nearest_class(rows, classes) == want, (classes, rows)
+    assert nearest_class(24, (64, 9, 1)) == 9  # 24 = sqrt(9 * 64): a tie goes to the smaller class
 
 
 def plan_of(onednn_wins, transposed_wins=lambda o, i, r: False, classes=(9, 64), layout=9):

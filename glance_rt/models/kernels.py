@@ -21,7 +21,6 @@ greedy whichever is chosen (tested with forced and mixed plans).
 
 import hashlib
 import json
-import math
 import os
 import platform
 import statistics
@@ -234,8 +233,10 @@ def _entry(out_features: int, in_features: int, rows: int, dtype: torch.dtype) -
 
 
 def nearest_class(rows: int, classes: tuple[int, ...]) -> int:
-    """The row class closest to `rows` in log scale (ties: the smaller class)."""
-    return min(classes, key=lambda c: (abs(math.log(max(rows, 1)) - math.log(c)), c))
+    """The row class closest to `rows` in log scale (ties: the smaller class), exactly: `rows` is
+    nearer the smaller of two neighbouring classes a < b when rows² <= a·b."""
+    ordered = tuple(sorted(set(classes)))
+    return ordered[class_index(rows, ordered)]
 
 
 @dataclass(frozen=True)
@@ -290,8 +291,13 @@ def with_plan(plan: KernelPlan | None, module: nn.Module, rows: int) -> nn.Modul
 
 
 def class_index(rows: int, classes: tuple[int, ...]) -> int:
-    """The index in `classes` (ascending) of `rows`' nearest class: how a pass picks its module set."""
-    return classes.index(nearest_class(rows, classes))
+    """The index in `classes` (ascending) of `nearest_class(rows, classes)`: how a pass picks its module
+    set. Integer compares only (rows <= the geometric mean of neighbouring classes), and none for one
+    class, so a dynamic row count (an exported or compiled prefill) gets a range guard, not a constant."""
+    for i in range(len(classes) - 1):
+        if rows * rows <= classes[i] * classes[i + 1]:
+            return i
+    return len(classes) - 1
 
 
 def kernel_summary(by_class: dict[int, list[nn.Module]]) -> dict:
