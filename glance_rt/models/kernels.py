@@ -247,9 +247,9 @@ class KernelPlan:
 
     A pass runs several row counts (a round's rows, prefill), so it holds one module set per row
     class (`row_classes`) and picks the set once per call by its row count: each linear layer is
-    then the chosen kernel's module itself, with no per-layer dispatch (that cost ~2% of a one-row
-    decode step, measured). `linear(module, rows)` makes each (weight, kernel) layout once, shared by
-    the classes that choose it."""
+    then the chosen kernel's module itself, with no per-layer dispatch (that cost ≈ 1.7 µs a call,
+    ≈ 0.8% of a one-row decode step, measured). `linear(module, rows)` makes each (weight, kernel)
+    layout once, shared by the classes that choose it."""
 
     layout_rows: int
     classes: tuple[int, ...] = ()
