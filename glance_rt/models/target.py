@@ -10,8 +10,6 @@ stacks share the norms, the rotary table and each kernel's weight layout) and ea
 stack of its row count.
 """
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor, nn
 
@@ -30,15 +28,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
-# how a linear layer runs in a stack: the module that computes it (None: the HF module as it is)
-Kernel = Callable[[nn.Module], nn.Module] | None
-
-
 class Attention(nn.Module):
-    def __init__(self, hf_attn: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, kernel: Kernel):
+    def __init__(self, hf_attn: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, plan: KernelPlan | None,
+                 rows: int):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            _run(kernel, getattr(hf_attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            with_plan(plan, getattr(hf_attn, n), rows) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
         self.q_norm = getattr(hf_attn, "q_norm", None)  # Qwen3: RMSNorm over head_dim
         self.k_norm = getattr(hf_attn, "k_norm", None)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
@@ -62,10 +57,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """The HF gated MLP, `down(act(gate(x)) * up(x))`, over its own projections, each run by the plan's kernel."""
 
-    def __init__(self, hf_mlp: nn.Module, kernel: Kernel):
+    def __init__(self, hf_mlp: nn.Module, plan: KernelPlan, rows: int):
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = (
-            _run(kernel, getattr(hf_mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
+            with_plan(plan, getattr(hf_mlp, n), rows) for n in ("gate_proj", "up_proj", "down_proj"))
         self.act_fn = hf_mlp.act_fn
 
     def forward(self, x: Tensor) -> Tensor:
@@ -73,14 +68,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, hf_layer: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, kernel: Kernel):
+    def __init__(self, hf_layer: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, plan: KernelPlan | None,
+                 rows: int):
         super().__init__()
         self.input_layernorm = hf_layer.input_layernorm
         self.post_attention_layernorm = hf_layer.post_attention_layernorm
-        self.self_attn = Attention(hf_layer.self_attn, n_heads, n_kv_heads, head_dim, kernel)
+        self.self_attn = Attention(hf_layer.self_attn, n_heads, n_kv_heads, head_dim, plan, rows)
         mlp = hf_layer.mlp
         gated = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-        self.mlp = MLP(mlp, kernel) if kernel is not None and gated else mlp
+        self.mlp = MLP(mlp, plan, rows) if plan is not None and gated else mlp
 
     def forward(self, h, cos, sin, cache, layer, rows, kv_len, tree_mask):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, rows, kv_len, tree_mask)
@@ -108,12 +104,9 @@ class TargetDecoder(nn.Module):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
         self.embed_tokens = tm.embed_tokens
         self.row_classes = plan.row_classes() if plan is not None else (1,)
-
-        def stack(rows: int) -> nn.ModuleList:
-            kernel = None if plan is None else (lambda linear: plan.linear(linear, rows))
-            return nn.ModuleList(Block(layer, n_heads, n_kv, head_dim, kernel) for layer in tm.layers)
-
-        self.stacks = nn.ModuleList(stack(rows) for rows in self.row_classes)
+        self.stacks = nn.ModuleList(
+            nn.ModuleList(Block(layer, n_heads, n_kv, head_dim, plan, rows) for layer in tm.layers)
+            for rows in self.row_classes)
         self.heads = nn.ModuleList(with_plan(plan, parts.lm_head, rows) for rows in self.row_classes)
         self.norm = tm.norm
         self.rotary_emb = tm.rotary_emb
@@ -154,7 +147,3 @@ class TargetDecoder(nn.Module):
         else:
             features = embeds.new_zeros(embeds.shape[1], 0)
         return logits, features
-
-
-def _run(kernel: Kernel, linear: nn.Module) -> nn.Module:
-    return linear if kernel is None else kernel(linear)
