@@ -33,6 +33,24 @@ class FakeTimer:
                 "onednn": 0.5 if self.onednn_wins(out_f, in_f, rows) else 2.0}
 
 
+def plan_wins(key, runs):  # a pass timer in which every pass keeps the kernels its layers chose
+    return {"plan": 1.0, "plain": 2.0}
+
+
+class FakePassTimer:
+    """Deterministic pass timings: the plan is slower than plain for keys starting with one of `slow`;
+    runs each way once (the probes must run) and records the keys."""
+
+    def __init__(self, *slow: str):
+        self.slow, self.keys = slow, []
+
+    def __call__(self, key, runs):
+        self.keys.append(key)
+        for run in runs.values():
+            run()
+        return {"plan": 3.0 if key.startswith(self.slow) else 1.0, "plain": 2.0}
+
+
 def mixed(out_f, in_f, rows):  # oneDNN for some shapes at some row counts only
     return (out_f + rows) % 2 == 1
 
@@ -186,7 +204,7 @@ def test_tokens_are_hf_greedy_whichever_kernels_are_chosen(arch, plan, tmp_path)
     never, always = (lambda o, i, r: False), (lambda o, i, r: True)
     wins = {"mixed": (mixed, mixed_transposed), "mkl": (never, never), "onednn": (always, never),
             "mkl_t": (never, always)}.get(plan)
-    prepack = "auto" if wins is None else KernelTuner(FakeTimer(*wins), cache=tmp_path / "k.json")
+    prepack = "auto" if wins is None else KernelTuner(FakeTimer(*wins), cache=tmp_path / "k.json", pass_timer=plan_wins)
     dec = glance_rt.Decoder(target, drafter, tree_budget=6, lookup=0, prepack=prepack)
     assert dec.generate(max_new_tokens=24, **inputs).token_ids == ref
     kinds = {k for pass_ in dec.kernel_choices.values() for v in pass_.values()
@@ -198,6 +216,64 @@ def test_tokens_are_hf_greedy_whichever_kernels_are_chosen(arch, plan, tmp_path)
         assert kinds == {plan}
     ar = glance_rt.Decoder(target, None, prepack=prepack)  # one-row autoregression: its own row class
     assert ar.generate(max_new_tokens=24, **inputs).token_ids == ref
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_a_pass_slower_with_its_kernels_runs_torchs_own_at_that_class(arch, tmp_path):
+    """The pass-level check (glance_rt.round.passcheck): where the whole pass with the per-layer
+    choices is slower than with torch's own linear everywhere (the injected pass timer says so for
+    the verify pass's prefill class), that class runs torch's own; the other classes keep their
+    kernels; the tokens stay HF greedy; the verdicts are cached per machine."""
+    target, model, processor = tiny_target(arch)
+    inputs = make_inputs(arch, processor)
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=2)
+    passes = FakePassTimer(f"verify@{K.PREFILL_ROWS}:")
+    cache = tmp_path / "k.json"
+    tuner = KernelTuner(FakeTimer(lambda o, i, r: True), cache=cache, pass_timer=passes)
+    dec = glance_rt.Decoder(target, drafter, tree_budget=6, lookup=0, prepack=tuner)
+    assert sorted(k.split(":")[0] for k in passes.keys) == ["draft@4", "draft@64", "verify@64", "verify@7"]
+    verify = dec.kernel_choices["verify"]
+    assert verify and all(v == {7: "onednn", K.PREFILL_ROWS: "mkl"} for v in verify.values())
+    assert set(dec.kernel_choices["draft"].values()) == {"onednn"}
+    assert dec.generate(max_new_tokens=24, **inputs).token_ids == hf_greedy(model, inputs, 24)
+    again = FakePassTimer()  # another tuner on the same cache file: the verdicts are read, not re-timed
+    dec2 = glance_rt.Decoder(target, drafter, tree_budget=6, lookup=0,
+                             prepack=KernelTuner(FakeTimer(lambda o, i, r: True), cache=cache, pass_timer=again))
+    assert again.keys == [] and dec2.kernel_choices == dec.kernel_choices
+    data = json.loads(cache.read_text())
+    assert all(len(m["passes"]) == 4 for m in data["machines"].values())
+
+
+def test_a_pass_that_runs_torchs_own_linear_is_not_timed(tmp_path):
+    target, _, _ = tiny_target("llama")
+    passes = FakePassTimer()
+    tuner = KernelTuner(FakeTimer(lambda o, i, r: False), cache=tmp_path / "k.json", pass_timer=passes)
+    dec = glance_rt.Decoder(target, None, prepack=tuner)
+    assert passes.keys == [] and set(dec.kernel_choices["verify"].values()) == {"mkl"}
+
+
+def test_a_pass_keeps_its_kernels_only_when_faster_by_the_margin():
+    t = KernelTuner(cache=False, pass_margin=0.01)
+    assert t.keeps_plan({"plan": 0.98, "plain": 1.0})
+    assert not t.keeps_plan({"plan": 0.995, "plain": 1.0})  # faster, but within the margin
+    assert not t.keeps_plan({"plan": 1.0, "plain": 1.0})
+    assert not t.keeps_plan({"plan": 1.2, "plain": 1.0})
+
+
+def test_pass_key_names_the_modules_and_their_kernels():
+    lin, other = nn.Linear(16, 24), nn.Linear(16, 24)
+    packed = plan_of(lambda o, i, r: True).linear(lin, 9)
+    assert K.pass_key("p", [lin]) == K.pass_key("p", [other])  # the same structure: the same key
+    assert K.pass_key("p", [lin]) != K.pass_key("p", [packed])  # another kernel
+    assert K.pass_key("p", [lin]) != K.pass_key("p", [nn.Linear(16, 32)])  # another shape
+    assert K.pass_key("p", [lin]) != K.pass_key("p", [lin, other])  # more layers
+    assert K.pass_key("p", [lin]) != K.pass_key("p", [nn.Linear(16, 24).bfloat16()])  # another dtype
+    assert K.pass_key("p", [lin]).startswith("p:") and K.pass_key("q", [lin]) != K.pass_key("p", [lin])
+
+
+def test_real_pass_timer_times_both_ways():
+    t = K.time_pass("k", {"plan": lambda: torch.ones(8) @ torch.ones(8), "plain": lambda: None}, budget_s=0.001)
+    assert set(t) == {"plan", "plain"} and all(v > 0 for v in t.values())
 
 
 def test_prepack_settings():

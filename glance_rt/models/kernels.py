@@ -27,7 +27,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -42,7 +42,8 @@ from glance_rt.models.linear import PackedLinear, TransposedLinear, can_pack
 KERNELS = ("mkl", "mkl_t", "onednn")
 PREFILL_ROWS = 64  # the row class of prefill and long context passes
 # 2: weights timed cold (time_linear); 3: + mkl_t; 4: every kernel timed through its module
-# (`kernel_module`), torch's own too. A file of another format is re-timed
+# (`kernel_module`), torch's own too. A file of another format is re-timed. A machine's entry holds
+# "timings" (one linear layer) and "passes" (a whole pass, `KernelTuner.pass_times`)
 CACHE_FORMAT = 4
 
 
@@ -113,13 +114,35 @@ def default_cache_path() -> Path:
 COLD_BYTES = 256 << 20  # weight copies cycled through while timing: more than any CPU cache
 
 
+def time_calls(calls: dict[str, Callable[[], object]], budget_s: float, max_reps: int, warmup: int = 3,
+               min_reps: int = 5) -> dict[str, float]:
+    """Median seconds of each of `calls` ({name: fn()}). They take turns (interleaved, so a load change
+    hits all): `warmup` calls each, then until each has run `budget_s` or `max_reps` calls (at least
+    `min_reps`)."""
+    with torch.inference_mode():
+        for fn in calls.values():
+            for _ in range(warmup):
+                fn()
+        times: dict[str, list[float]] = {k: [] for k in calls}
+        spent = dict.fromkeys(calls, 0.0)
+        reps = 0
+        while reps < max_reps and (reps < min_reps or min(spent.values()) < budget_s):
+            for name, fn in calls.items():
+                t0 = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - t0
+                times[name].append(dt)
+                spent[name] += dt
+            reps += 1
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def time_linear(out_features: int, in_features: int, rows: int, dtype: torch.dtype,
                 budget_s: float = 0.03, max_reps: int = 41, cold_bytes: int = COLD_BYTES) -> dict:
     """Median seconds per call of each kernel (`KERNELS`) for x [rows, in] @ W[out, in].T on this CPU,
     with the weight cold as it is in a decoder pass (each layer's weight is read once per pass, and a
     model's weights outgrow the caches): every call takes the next of enough copies of the weight to
-    fill `cold_bytes`, the oldest first. The kernels take turns (interleaved, so a load change hits
-    all), 3 warm-up calls each, then until each has run `budget_s` or `max_reps` calls (at least 5)."""
+    fill `cold_bytes`, the oldest first (`time_calls`: interleaved, 3 warm-up calls each)."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(out_features, in_features, generator=g, dtype=torch.float32).to(dtype)
     x = torch.randn(1, rows, in_features, generator=g, dtype=torch.float32).to(dtype)
@@ -136,20 +159,13 @@ def time_linear(out_features: int, in_features: int, rows: int, dtype: torch.dty
         calls[kernel] += 1
         return modules[kernel][i](x)
 
-    with torch.inference_mode():
-        for kernel in calls:
-            for _ in range(3):
-                run(kernel)
-        times: dict[str, list[float]] = {k: [] for k in calls}
-        spent = dict.fromkeys(calls, 0.0)
-        while len(times["mkl"]) < max_reps and (len(times["mkl"]) < 5 or min(spent.values()) < budget_s):
-            for kernel in calls:
-                t0 = time.perf_counter()
-                run(kernel)
-                dt = time.perf_counter() - t0
-                times[kernel].append(dt)
-                spent[kernel] += dt
-    return {k: statistics.median(v) for k, v in times.items()}
+    return time_calls({k: (lambda k=k: run(k)) for k in KERNELS}, budget_s, max_reps)
+
+
+def time_pass(key: str, runs: dict[str, Callable[[], object]], budget_s: float = 0.4, max_reps: int = 41) -> dict:
+    """Median seconds of each way (`runs`: {"plan": fn, "plain": fn}) of running the pass `key` names:
+    `time_calls` with 2 warm-up calls and at least 7 timed calls each."""
+    return time_calls(runs, budget_s, max_reps, warmup=2, min_reps=7)
 
 
 # ----------------------------------------------------------------------------- the tuner
@@ -158,15 +174,20 @@ def time_linear(out_features: int, in_features: int, rows: int, dtype: torch.dty
 @dataclass(frozen=True)
 class KernelTuner:
     """Chooses a kernel per (weight shape, rows, dtype) by timing (`timer(out, in, rows, dtype)` ->
-    {kernel: s} over `KERNELS`, "mkl" always among them); timings are cached in `cache` (None:
-    `default_cache_path()`; False: no file) under the key of `machine()`, so a change of CPU, threads
-    or library version re-times. `margin`: a kernel other than torch's own ("mkl") is chosen only
-    when it is at least this fraction faster."""
+    {kernel: s} over `KERNELS`, "mkl" always among them), then checks each pass as a whole
+    (`pass_timer(key, {"plan": fn, "plain": fn})` -> {"plan": s, "plain": s}: the pass with the
+    chosen kernels against torch's own linear everywhere, `glance_rt.round.passcheck`). Timings are
+    cached in `cache` (None: `default_cache_path()`; False: no file) under the key of `machine()`, so
+    a change of CPU, threads or library version re-times. `margin`: a kernel other than torch's own
+    ("mkl") is chosen only when it is at least this fraction faster; `pass_margin`: a pass keeps its
+    chosen kernels only when it is at least this fraction faster than the plain pass."""
 
     timer: Callable = time_linear
     cache: Path | bool | None = None
     margin: float = 0.03
-    _memo: dict = field(default_factory=dict, compare=False, repr=False)  # this tuner's timings, by entry key
+    pass_timer: Callable = time_pass
+    pass_margin: float = 0.01
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)  # {section: {entry key: timing}}
 
     def _path(self) -> Path | None:
         if self.cache is False:
@@ -189,29 +210,37 @@ class KernelTuner:
         file is read only when this tuner lacks a request, and then all of its valid timings for this
         machine are kept, so building a decoder's layers reads it about once."""
         requests = list(dict.fromkeys(requests))
-        if any(_entry(*req) not in self._memo for req in requests):
-            self._fill(requests)
-        return {req: self._memo[_entry(*req)] for req in requests}
+        got = self._cached("timings", {_entry(*req): (lambda req=req: self.timer(*req)) for req in requests},
+                           lambda t: _valid(t, KERNELS))
+        return {req: got[_entry(*req)] for req in requests}
 
-    def _fill(self, requests) -> None:
-        m = machine()
-        path = self._path()
-        data = self._read(path)
-        entries = data.setdefault("machines", {}).setdefault(machine_key(m), {"machine": m, "timings": {}})["timings"]
-        self._memo.update({name: t for name, t in entries.items() if _valid(t) and name not in self._memo})
-        new = False
-        for req in requests:
-            name = _entry(*req)
-            if name not in self._memo:
-                entries[name] = self._memo[name] = self.timer(*req)
-                new = True
-        if new and path is not None:
-            data["format"] = CACHE_FORMAT
-            try:
-                atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1, sort_keys=True)))
-            except OSError as e:  # an unwritable cache costs a re-timing next time, nothing else
-                warnings.warn(f"could not write the kernel timing cache {path} ({e}); set GLANCE_RT_CACHE to a "
-                              "writable folder to keep them", GlanceWarning, stacklevel=3)
+    def pass_times(self, key: str, runs: dict[str, Callable[[], object]]) -> dict[str, float]:
+        """{"plan": s, "plain": s}: the pass `key` names run both ways (`runs`), timed once per machine."""
+        return self._cached("passes", {key: lambda: self.pass_timer(key, runs)}, lambda t: _valid(t, PASS_WAYS))[key]
+
+    def _cached(self, section: str, wanted: dict[str, Callable[[], dict]], valid: Callable) -> dict[str, dict]:
+        """{name: timing} for `wanted` ({name: fn timing it}), from this tuner's memo, else the cache
+        file's `section` for this machine, else timed now and written back."""
+        memo = self._memo.setdefault(section, {})
+        missing = [name for name in wanted if name not in memo]
+        if missing:
+            m = machine()
+            path = self._path()
+            data = self._read(path)
+            entries = data.setdefault("machines", {}).setdefault(machine_key(m), {"machine": m})
+            entries = entries.setdefault(section, {})
+            memo.update({name: t for name, t in entries.items() if valid(t) and name not in memo})
+            new = [name for name in missing if name not in memo]
+            for name in new:
+                entries[name] = memo[name] = wanted[name]()
+            if new and path is not None:
+                data["format"] = CACHE_FORMAT
+                try:
+                    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1, sort_keys=True)))
+                except OSError as e:  # an unwritable cache costs a re-timing next time, nothing else
+                    warnings.warn(f"could not write the kernel timing cache {path} ({e}); set GLANCE_RT_CACHE to a "
+                                  "writable folder to keep them", GlanceWarning, stacklevel=4)
+        return {name: memo[name] for name in wanted}
 
     def choose(self, timing: dict) -> str:
         """The fastest kernel of `timing` ({kernel: s}, "mkl" among them); "mkl" unless another beats
@@ -219,9 +248,16 @@ class KernelTuner:
         best = min(sorted(timing, key=KERNELS.index), key=timing.__getitem__)
         return best if timing[best] < (1 - self.margin) * timing["mkl"] else "mkl"
 
+    def keeps_plan(self, times: dict) -> bool:
+        """Whether a pass keeps its chosen kernels: faster than the plain pass by `pass_margin`."""
+        return times["plan"] < (1 - self.pass_margin) * times["plain"]
 
-def _valid(timing) -> bool:
-    return isinstance(timing, dict) and set(timing) == set(KERNELS) and all(
+
+PASS_WAYS = ("plan", "plain")
+
+
+def _valid(timing, names: tuple[str, ...]) -> bool:
+    return isinstance(timing, dict) and set(timing) == set(names) and all(
         isinstance(v, (int, float)) and v > 0 for v in timing.values())
 
 
@@ -254,7 +290,12 @@ class KernelPlan:
     layout_rows: int
     classes: tuple[int, ...] = ()
     tuner: KernelTuner | None = None
+    plain: frozenset[int] = frozenset()  # row classes whose whole pass ran no faster than plain: torch's own
     _made: dict = field(default_factory=dict, compare=False, repr=False)  # (id(weight), kernel) -> (weight, module)
+
+    def made_plain(self, classes) -> "KernelPlan":
+        """This plan with torch's own linear everywhere at `classes` (and the layouts made so far)."""
+        return replace(self, plain=frozenset(classes), _made=self._made)
 
     def row_classes(self) -> tuple[int, ...]:
         """The row classes this plan makes module sets for, ascending."""
@@ -267,7 +308,8 @@ class KernelPlan:
         out_f, in_f = weight.shape
         classes = self.row_classes()
         times = self.tuner.timings([(out_f, in_f, r, weight.dtype) for r in classes])
-        return {r: self.tuner.choose(times[(out_f, in_f, r, weight.dtype)]) for r in classes}
+        return {r: "mkl" if r in self.plain else self.tuner.choose(times[(out_f, in_f, r, weight.dtype)])
+                for r in classes}
 
     def linear(self, module: nn.Module, rows: int) -> nn.Module:
         """The module that runs `module` at `rows` rows (its nearest row class's kernel): itself (MKL,
@@ -300,18 +342,32 @@ def class_index(rows: int, classes: tuple[int, ...]) -> int:
     return len(classes) - 1
 
 
+def kernel_of(module: nn.Module) -> str | None:
+    """The kernel (`KERNELS`) a module runs its product with; None: not a linear layer."""
+    return ("onednn" if isinstance(module, PackedLinear) else "mkl_t" if isinstance(module, TransposedLinear)
+            else "mkl" if isinstance(module, nn.Linear) else None)
+
+
 def kernel_summary(by_class: dict[int, list[nn.Module]]) -> dict:
     """{"OUTxIN": kernel or {rows class: kernel}} for the linear layers a pass runs at each row class
     ({rows class: [modules]}); a shape that runs one kernel at every class gets the kernel's name."""
     runs: dict[str, dict[int, str]] = {}
     for rows, modules in by_class.items():
         for m in (m for top in modules for m in top.modules()):
-            kernel = ("onednn" if isinstance(m, PackedLinear) else "mkl_t" if isinstance(m, TransposedLinear)
-                      else "mkl" if isinstance(m, nn.Linear) else None)
+            kernel = kernel_of(m)
             if kernel is not None:
                 runs.setdefault(_shape(m), {})[rows] = kernel
     return {shape: ks.popitem()[1] if len(set(ks.values())) == 1 else dict(sorted(ks.items()))
             for shape, ks in runs.items()}
+
+
+def pass_key(name: str, modules: list[nn.Module]) -> str:
+    """A pass's key in the timing cache: `name` (the pass and how it is timed) and a digest of the
+    modules it runs (every submodule's type, each linear layer's shape and kernel, the dtype)."""
+    layout = [[type(m).__name__, *((_shape(m), kernel_of(m)) if kernel_of(m) is not None else ())]
+              for top in modules for m in top.modules()]
+    dtypes = sorted({str(t.dtype) for top in modules for t in (*top.parameters(), *top.buffers())})
+    return f"{name}:{hashlib.sha256(json.dumps([layout, dtypes]).encode()).hexdigest()[:16]}"
 
 
 def _shape(linear: nn.Module) -> str:  # an nn.Linear, a PackedLinear or a TransposedLinear

@@ -6,4 +6,5 @@ verify.py   the verify pass, and the passes behind one interface (eager, static/
 commit.py   accept (walk the tree by the target's argmax), stop rules, compaction of the KV cache
 loop.py     the Decoder: prefill, then draft -> tree -> verify -> commit until a stop
 adaptive.py the adaptive tree budget (a bucket per round from the entropy law)
+passcheck.py each pass timed whole with its chosen kernels against the plain ones (kept only where faster)
 """

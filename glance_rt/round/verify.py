@@ -27,6 +27,7 @@ from glance_rt.models.kernels import PREFILL_ROWS, KernelPlan
 from glance_rt.models.target import TargetDecoder
 from glance_rt.round.commit import accept, accept_path, compact
 from glance_rt.round.draft import DraftPass
+from glance_rt.round.passcheck import checked_plans
 from glance_rt.round.tree import max_depth
 
 GRAPHS = ("prefill", "verify", "draft", "context")
@@ -250,13 +251,16 @@ def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], k
     the draft pass or None). A `GlanceDrafter` becomes a `DraftPass` (shared embeddings and lm_head);
     other drafter objects (the eager protocol) are used as they are. `kernels`: None (the plain
     weights: engines trace these), True (oneDNN-prepacked everywhere) or a `KernelTuner` (each
-    linear's kernel measured at the verify rows `verify_rows`, the draft block and prefill)."""
-    plans = kernel_plans(kernels, verify_rows, drafter.config.block_size if isinstance(drafter, GlanceDrafter) else 1)
+    linear's kernel measured at the verify rows `verify_rows`, the draft block and prefill, then each
+    pass checked whole against the plain one: `glance_rt.round.passcheck`)."""
     if isinstance(drafter, GlanceDrafter):
         check_compatible(drafter.config, target)
+    layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
+    plans = kernel_plans(kernels, verify_rows, drafter.config.block_size if isinstance(drafter, GlanceDrafter) else 1)
+    plans = checked_plans(target, drafter, plans, layers)
+    if isinstance(drafter, GlanceDrafter):
         drafter = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, max_len,
                             plan=plans[1])
-    layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
     verifier = TargetDecoder(target.parts, max_len, layers, plan=plans[0])
     return verifier, drafter
 
