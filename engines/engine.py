@@ -194,8 +194,9 @@ def engine_backend(path, m: dict) -> Backend:
     return Backend(m["backend"], passes, prefill_inputs=vision, prepack=False)
 
 
-def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int | None = None):
-    """A `cls` (Decoder) whose passes run the engine in `path`."""
+def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int | None = None, gate=None):
+    """A `cls` (Decoder) whose passes run the engine in `path`. The draft gate (`gate` None: where
+    it can run) needs the one-row verify graph that `--tree-budget 0` builds."""
     path = Path(path)
     m = read_manifest(path)
     if (warning := check_machine(path, m)) is not None:
@@ -209,5 +210,10 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
     if drafter is not None and any(b not in budgets for b in asked):
         raise GlanceError(f"engine {path} has tree budgets {budgets}; {asked} asked. Pick among them or rebuild "
                           "with `glance-rt build-engine --tree-budget ...`")
+    if drafter is not None and 0 not in budgets:
+        if gate is not None and gate is not False:
+            raise GlanceError(f"engine {path} has no one-row verify graph (tree budgets {budgets}), which the draft "
+                              "gate runs: rebuild with `--tree-budget 0` added, or pass gate=False")
+        gate = False
     return cls(target, drafter, tree_budget=tree_budget, chain=m["chain"], max_length=m["max_len"],
-               backend=engine_backend(path, m), lookup=lookup)
+               backend=engine_backend(path, m), lookup=lookup, gate=gate)

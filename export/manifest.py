@@ -122,11 +122,13 @@ def graph_budgets(drafter, budgets, max_len: int, chunk: int) -> tuple[int, ...]
     if drafter is None:
         budgets = (0,)  # autoregression: one verify graph of one row
     else:
-        budgets = tuple(sorted(set(budgets)))
-        if not budgets:
-            raise GlanceError("no tree budget given: pass at least one (--tree-budget N)")
+        budgets = tuple(sorted(set(budgets)))  # 0: the one-row verify graph the draft gate's steps run
+        if not any(budgets):
+            raise GlanceError("no tree budget given: pass at least one (--tree-budget N; 0 adds the draft gate's "
+                              "one-row verify graph)")
         for b in budgets:
-            check_budget(b)
+            if b:
+                check_budget(b)
     if max_len < 2 or chunk < 1:
         raise GlanceError(f"max_len must be at least 2 and chunk at least 1, got {max_len} and {chunk}")
     return budgets

@@ -19,6 +19,7 @@ _LAZY = {
     "Stats": "glance_rt.round.loop",
     "Method": "glance_rt.method",
     "Sampling": "glance_rt.round.sample",
+    "GateConfig": "glance_rt.round.gate",
 }
 
 __all__ = ["GlanceError", "GlanceWarning", "__version__", *_LAZY]

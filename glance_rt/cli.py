@@ -26,12 +26,12 @@ def method_options(command):
     `--methods`): they become one `glance_rt.method.Method` with the Python API's defaults."""
 
     @functools.wraps(command)
-    def wrapper(*args, tree_budget, chain, lookup, backend, engine_dir, **kw):
+    def wrapper(*args, tree_budget, chain, lookup, backend, engine_dir, always_draft, **kw):
         try:
             if tree_budget is None and engine_dir is None:
                 tree_budget = DEFAULT_TREE_BUDGET
             method = Method(kind="chain" if chain else "tree", tree_budget=tree_budget, lookup=lookup,
-                            backend=backend, engine=engine_dir)
+                            backend=backend, engine=engine_dir, gate=not always_draft)
         except GlanceError as e:
             raise click.ClickException(str(e)) from e
         return command(*args, method=method, **kw)
@@ -48,6 +48,9 @@ def method_options(command):
         click.option("--engine", "engine_dir", type=click.Path(), default=None,
                      help="Run a built engine (glance-rt build-engine); its manifest sets budgets, shapes and "
                           "sources (--target/--drafter override them)."),
+        click.option("--always-draft", is_flag=True,
+                     help="Draft every round (no draft gate: by default a round takes one autoregressive step "
+                          "where the entropy law and the round costs measured here predict drafting loses)."),
     ]
     for option in reversed(options):
         wrapper = option(wrapper)
@@ -180,7 +183,8 @@ def generate(target_path, drafter_path, images, prompt, max_new_tokens, method, 
         n = len(stream.result.token_ids)
         click.echo(
             f"[stats] {n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s); rounds {s.rounds}; "
-            f"mean accepted {s.mean_accepted:.2f}; draft passes {s.draft_passes}; prompt {s.prompt_tokens} tokens",
+            f"tokens per round {s.mean_accepted:.2f}; tau {s.tau:.2f} per drafted round; draft passes "
+            f"{s.draft_passes}; prompt {s.prompt_tokens} tokens",
             err=True,
         )
         click.echo("[stats] seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in s.timings.items()), err=True)
@@ -211,7 +215,8 @@ def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> 
     n, m = len(result.token_ids), len(ref.token_ids)
     same = result.token_ids == ref.token_ids
     click.echo(f"GLANCE ({_describe(dec)}): {n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, "
-               f"tau {result.stats.mean_accepted:.2f} tokens per round ({result.stats.rounds} rounds)")
+               f"{result.stats.mean_accepted:.2f} tokens per round ({result.stats.rounds} rounds, "
+               f"{result.stats.draft_passes} drafted; tau {result.stats.tau:.2f})")
     where = "same engine" if same_engine else "eager: this engine has no one-row verify graph; `bench` times an " \
         "AR engine built with --no-drafter against it"
     click.echo(f"autoregressive ({where}):   {m} tokens in {ar_elapsed:.2f} s, {m / ar_elapsed:.1f} tok/s")
@@ -504,8 +509,9 @@ def _engine_decoder(method: Method, target_path, drafter_path):
               help="aoti: AOTInductor packages (one .pt2 per static graph); onnxruntime: exported ONNX graphs "
                    "saved optimized for ONNX Runtime; tensorrt: one TensorRT engine per graph, tree attention "
                    "as glance-rt's Triton kernel in a plugin (needs a GPU, --device cuda, and TensorRT).")
-@click.option("--tree-budget", "budgets", default=(8,), show_default=True, type=int, multiple=True,
-              help="Tree budget bucket (repeatable): one verify graph each.")
+@click.option("--tree-budget", "budgets", default=(0, 8), show_default=True, type=int, multiple=True,
+              help="Tree budget bucket (repeatable): one verify graph each; 0 adds the one-row verify graph the "
+                   "draft gate's autoregressive steps run (without it the engine drafts every round).")
 @click.option("--chain", is_flag=True, help="Build the width-1 chain's verify graph instead.")
 @click.option("--max-length", default=1024, show_default=True, type=int,
               help="Static cache rows (prompt + new tokens + one round); attention reads all of them.")

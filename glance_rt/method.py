@@ -4,7 +4,8 @@ from the options `generate` and `audit` share; and the one rule that sizes the s
 
 The defaults are the fastest lossless configuration measured on the default target without a
 built engine (docs/benchmarks.md): GLANCE trees of 8 draft nodes with a prompt-lookup chain of
-n-grams up to 3 grafted in, eager passes.
+n-grams up to 3 grafted in, eager passes, and the draft gate (a round drafts only where the
+entropy law and the round costs measured on the machine at hand predict drafting pays).
 """
 
 from dataclasses import dataclass
@@ -28,13 +29,15 @@ class Method:
     `lookup`: prompt-lookup n-gram grafted into a drafter's trees (None: `DEFAULT_LOOKUP` where it
     applies, 0: none). `backend`: eager, compile or plain. `engine`: a built engine's folder (its
     manifest fixes the budget buckets, chain and shapes; the backend is the engine's; `tree_budget`
-    None: its largest bucket)."""
+    None: its largest bucket). `gate`: a drafter's rounds pass the draft gate (`glance_rt.round.gate`;
+    False, `+always` in a name: draft every round)."""
 
     kind: str = "tree"
     tree_budget: int | None = DEFAULT_TREE_BUDGET
     lookup: int | None = None
     backend: str = "eager"
     engine: str | None = None
+    gate: bool = True
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -47,19 +50,23 @@ class Method:
 
     @classmethod
     def parse(cls, text: str) -> "Method":
-        """`ar`, `chain`, `tree-N`, `tree-N+lookup` or `adaptive`, each optionally `@compile` or
-        `@plain` (`tree-8+lookup@compile`). A bare `tree-N` drafts with the drafter alone."""
+        """`ar`, `chain`, `tree-N`, `tree-N+lookup` or `adaptive`, each optionally `+always` (no
+        draft gate) and `@compile` or `@plain` (`tree-8+lookup@compile`). A bare `tree-N` drafts with
+        the drafter alone."""
         base, at, backend = text.strip().partition("@")
         backend = backend if at else "eager"
         if backend not in BACKENDS:
             raise GlanceError(f"unknown backend in method {text!r}: use @{', @'.join(BACKENDS[1:])} or none (eager)")
+        always = base.endswith("+always") and base != "ar+always"
+        base = base.removesuffix("+always") if always else base
         if base in ("ar", "chain", "adaptive"):
-            return cls(kind=base, lookup=0, backend=backend)
+            return cls(kind=base, lookup=0, backend=backend, gate=not always)
         tree, plus, extra = base.partition("+")
         if tree.startswith("tree-") and tree[5:].isdigit() and (plus, extra) in (("", ""), ("+", "lookup")):
-            return cls(tree_budget=int(tree[5:]), lookup=DEFAULT_LOOKUP if extra else 0, backend=backend)
+            return cls(tree_budget=int(tree[5:]), lookup=DEFAULT_LOOKUP if extra else 0, backend=backend,
+                       gate=not always)
         raise GlanceError(f"unknown method {text!r}: use ar, chain, tree-N, tree-N+lookup or adaptive, each "
-                          "optionally @compile or @plain")
+                          "optionally +always (draft every round) and @compile or @plain")
 
     @property
     def name(self) -> str:
@@ -67,6 +74,8 @@ class Method:
         base = f"tree-{self.tree_budget}" if self.kind == "tree" and self.tree_budget is not None else self.kind
         if self.kind == "tree" and self.lookup != 0:
             base += "+lookup"
+        if self.kind != "ar" and not self.gate:
+            base += "+always"
         if self.engine is not None:
             return f"{base}@engine:{Path(self.engine).name}"
         return base if self.backend == "eager" else f"{base}@{self.backend}"

@@ -38,7 +38,7 @@ def test_adaptive_decoder_is_lossless_and_switches_buckets(arch):
     policy = AdaptiveBudget((Bucket(24, intercept=4.0 + 2 * mid, slope=-2.0, seconds_per_round=2.0),
                              Bucket(4, intercept=2.0, slope=0.0, seconds_per_round=1.0)))
     oracle = OracleDrafter(inputs["input_ids"].shape[1], ref, target.vocab_size, 5, corrupt=0.3, seed=1)
-    res = glance_rt.Decoder(target, oracle, tree_budget=policy).generate(max_new_tokens=24, **inputs)
+    res = glance_rt.Decoder(target, oracle, tree_budget=policy, gate=False).generate(max_new_tokens=24, **inputs)
     assert res.token_ids == ref
     assert set(res.stats.budgets) == {4, 24}
     with pytest.raises(glance_rt.GlanceError, match="chain"):

@@ -40,7 +40,9 @@ def test_report_is_well_formed(report, tmp_path):
     assert report["overall"]["adaptive"]["mismatches"] == 0
     tree = report["overall"]["tree-12"]
     assert tree["prompts"] == 3 and tree["speedup_vs_ar"]["n"] == 3 and tree["speedup_vs_hf"]["n"] == 3
-    assert tree["tau"] >= 1 and sum(tree["tau_hist"]) > 0 and tree["draft_passes_per_round"] == 1.0
+    assert tree["tau"] >= 1 and sum(tree["tau_hist"]) > 0
+    recs = [r for r in report["records"] if r["method"] == "tree-12"]  # the draft gate may skip some rounds' drafts
+    assert tree["draft_passes_per_round"] == sum(r["draft_passes"] for r in recs) / sum(r["rounds"] for r in recs) > 0
     assert report["overall"]["ar"]["draft_passes_per_round"] == 0.0
     assert set(tree["phase_seconds"]) == {"prefill", "draft", "tree", "verify", "commit"}
     assert tree["entropy_law"]["n"] == sum(tree["tau_hist"])
@@ -124,8 +126,8 @@ def test_compiled_and_engine_methods_are_compared_with_their_eager_method(tmp_pa
                                "hf"), max_new_tokens=10, warmup=1, engine_lookup=True)
     encoded = [target.encode_chat(r["prompt"]) for r in ROWS]
     assert suite_max_length(encoded, cfg) % 64 == 0
-    build_engine(target, drafter, tmp_path / "e", budgets=(4,), max_len=suite_max_length(encoded, cfg), chunk=16,
-                 progress=False)
+    build_engine(target, drafter, tmp_path / "e", budgets=(0, 4), max_len=suite_max_length(encoded, cfg), chunk=16,
+                 progress=False)  # 0: the one-row verify graph of the draft gate's steps
     export_model(target, None, tmp_path / "ar", max_len=suite_max_length(encoded, cfg), chunk=16, progress=False)
     cfg = BenchConfig(**{**cfg.__dict__, "engines": (str(tmp_path / "e"), str(tmp_path / "ar"))})
     rep = run_bench(target, drafter, ROWS, cfg, progress=False, log=quiet)  # the AR engine runs without the drafter

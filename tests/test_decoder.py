@@ -35,8 +35,10 @@ def case(arch: str, variant: str, new: int = NEW):
 
 
 def run(target, inputs, drafter, new=NEW, **kw):
-    """These tests' configuration: budget 32 and the drafter's tree alone unless a test says otherwise."""
-    kw = {"tree_budget": 32, "lookup": 0, **kw}
+    """These tests' configuration: budget 32, the drafter's tree alone and every round drafting (no
+    draft gate: its choices follow timings; tests/test_gate.py mixes both kinds of round) unless a
+    test says otherwise."""
+    kw = {"tree_budget": 32, "lookup": 0, "gate": False, **kw}
     return glance_rt.Decoder(target, drafter, **kw).generate(max_new_tokens=new, **inputs)
 
 
@@ -255,9 +257,9 @@ def test_prompt_lookup_trees_are_lossless(arch, budget, monkeypatch):
     def oracle(history, max_ngram, length):
         seen.append(history.tolist())
         done = len(history) - len(prompt)
-        return ref[done : done + length]
+        return max_ngram, ref[done : done + length]
 
-    monkeypatch.setattr(dm, "prompt_lookup", oracle)
+    monkeypatch.setattr(dm, "lookup_match", oracle)
     looked = run(target, inputs, drafter, new=48, tree_budget=budget, lookup=3)
     assert looked.token_ids == ref
     assert all(h == prompt + ref[: len(h) - len(prompt)] for h in seen)

@@ -114,7 +114,8 @@ def test_fitted_drafter_accepts_the_same_in_dflash_chain(tmp_path, arch, block_s
     drafter, inputs, answer = fit_drafter(arch, block_size, 40, **rope_fields(ROPES[rope_kind]))
     drafter.save(tmp_path / "d")
     ref_tokens, ref_lengths = reference_chain(load_reference(tmp_path / "d"), model, inputs["input_ids"], 32)
-    ours = glance_rt.Decoder(target, glance_rt.load_drafter(tmp_path / "d", target), chain=True, prepack=False)
+    ours = glance_rt.Decoder(target, glance_rt.load_drafter(tmp_path / "d", target), chain=True, prepack=False,
+                             gate=False)
     res = ours.generate(max_new_tokens=32, **inputs)
     assert ref_tokens == answer[:32] and res.token_ids == answer[:32]
     got = res.stats.accepted_lengths

@@ -49,7 +49,7 @@ def test_static_passes_are_lossless(arch, mode):
     drafter = None if mode == "ar" else glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=2)
     oracle = OracleDrafter(p, ref, target.vocab_size, 4, decoy=True) if mode == "tree-decoy" else None
     kw = {"chain": True} if mode == "chain" else {"tree_budget": 24}
-    dec = static_decoder(target, drafter, chunk=5, oracle=oracle, max_length=256, **kw)  # 5: prompts end mid-chunk
+    dec = static_decoder(target, drafter, chunk=5, oracle=oracle, max_length=256, gate=False, **kw)  # 5: mid-chunk
     res = dec.generate(max_new_tokens=NEW, **inputs)
     assert res.token_ids == ref
     if mode == "tree-decoy":
@@ -67,11 +67,11 @@ def test_static_passes_accept_lookup_chains_deeper_than_the_block(arch, monkeypa
     target, _, inputs, ref = case(arch)
     p = inputs["input_ids"].shape[1]
     def oracle(history, max_ngram, length):
-        return ref[len(history) - p : len(history) - p + length]
+        return max_ngram, ref[len(history) - p : len(history) - p + length]
 
-    monkeypatch.setattr(dm, "prompt_lookup", oracle)
+    monkeypatch.setattr(dm, "lookup_match", oracle)
     drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=2)
-    dec = static_decoder(target, drafter, chunk=5, tree_budget=12, lookup=3, max_length=256)
+    dec = static_decoder(target, drafter, chunk=5, tree_budget=12, lookup=3, max_length=256, gate=False)
     res = dec.generate(max_new_tokens=NEW, **inputs)
     assert res.token_ids == ref
     assert lookup_rows(4, 12) == max_depth(4) == 7  # the chain takes 7 of 12 rows, 7 deep
@@ -138,7 +138,7 @@ def test_compile_backend_is_lossless_and_never_recompiles(arch, prepack, tmp_pat
     torch._dynamo.reset()
     target, model, processor = tiny_target(arch)
     drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=3)
-    dec = glance_rt.Decoder(target, drafter, tree_budget=8, max_length=256, backend="compile", chunk=8,
+    dec = glance_rt.Decoder(target, drafter, tree_budget=8, max_length=256, backend="compile", chunk=8, gate=False,
                             prepack=mixed_kernels(tmp_path) if prepack == "mixed" else prepack)
     assert dec.prepack == (prepack is not False and can_pack(target.parts.lm_head.weight))
     first = make_inputs(arch, processor, n_images=1 if arch in VLM_ARCHS else 0)
@@ -188,7 +188,8 @@ def test_warmup_compiles_every_bucket_up_front():
     entropies = sorted(eager.generate(max_new_tokens=NEW, **inputs).stats.prior_entropy)
     m = entropies[len(entropies) // 2]  # a bucket each side of the median entropy
     policy = AdaptiveBudget((Bucket(4, 100.0, 1.0, 1.0), Bucket(8, 100.0 + 2 * m, -1.0, 1.0)))
-    dec = glance_rt.Decoder(target, drafter, tree_budget=policy, max_length=256, backend="compile", chunk=8)
+    dec = glance_rt.Decoder(target, drafter, tree_budget=policy, max_length=256, backend="compile", chunk=8,
+                            gate=False)
     before = unique_graphs()
     dec.warmup()
     warm = unique_graphs()

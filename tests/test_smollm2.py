@@ -62,7 +62,7 @@ def test_shipped_drafter_loads_and_is_lossless(cases):
     assert os.path.getsize(DRAFTER_DIR / "model.safetensors") <= 20 * 2**20
     assert drafter.config.block_size == 8 and drafter.config.target_layer_ids == (2, 15, 27)
     for inputs, ref in items:
-        res = glance_rt.Decoder(target, drafter, tree_budget=32).generate(max_new_tokens=NEW, **inputs)
+        res = glance_rt.Decoder(target, drafter, tree_budget=32, gate=False).generate(max_new_tokens=NEW, **inputs)
         assert res.token_ids == ref
         assert res.stats.draft_passes == res.stats.rounds
 
@@ -78,7 +78,7 @@ def test_shipped_drafter_is_dflash_compatible(cases):
     target, items = cases
     check_dflash(DRAFTER_DIR)
     ref = load_reference(DRAFTER_DIR)
-    dec = glance_rt.Decoder(target, glance_rt.load_drafter(None, target), chain=True, prepack=False)
+    dec = glance_rt.Decoder(target, glance_rt.load_drafter(None, target), chain=True, prepack=False, gate=False)
     deepest = 0
     for inputs, want in items:
         tokens, lengths = reference_chain(ref, target.hf_model, inputs["input_ids"], NEW)

@@ -19,8 +19,9 @@ from glance_rt.models.kernels import KernelTuner, kernel_summary
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
 from glance_rt.round.commit import apply_stops, committed_tokens
+from glance_rt.round.gate import DraftGate, GateConfig
 from glance_rt.round.sample import GREEDY, Chooser, Sampling, stop_criteria, walk
-from glance_rt.round.tree import build_tree, check_budget, max_depth, prompt_lookup
+from glance_rt.round.tree import build_tree, check_budget, lookup_match, max_depth
 from glance_rt.round.verify import Backend, named_backend, round_modules
 
 PHASES = ("prefill", "draft", "tree", "verify", "commit")
@@ -31,7 +32,7 @@ class Stats:
     accepted_lengths: list[int] = field(default_factory=list)  # tokens committed per round (incl. bonus)
     root_entropy: list[float] = field(default_factory=list)  # target's next-token entropy at each round's root
     prior_entropy: list[float] = field(default_factory=list)  # entropy known before each round (row that made the root)
-    budgets: list[int] = field(default_factory=list)  # tree budget used in each round
+    budgets: list[int] = field(default_factory=list)  # tree budget used in each round (0: an autoregressive step)
     round_seconds: list[float] = field(default_factory=list)  # wall time of each round
     draft_passes: int = 0
     rounds: int = 0
@@ -40,7 +41,14 @@ class Stats:
 
     @property
     def mean_accepted(self) -> float:
+        """Tokens committed per round, autoregressive steps included."""
         return sum(self.accepted_lengths) / max(len(self.accepted_lengths), 1)
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per drafted round (per round where none drafted): what a drafter achieves."""
+        drafted = [n for n, b in zip(self.accepted_lengths, self.budgets, strict=True) if b > 0]
+        return sum(drafted) / len(drafted) if drafted else self.mean_accepted
 
 
 @dataclass
@@ -98,6 +106,12 @@ class Decoder:
     or a `Backend` (an engine's: `Decoder.from_engine(DIR)`). Static passes attend over all
     `max_length` cache rows, so size it to the job. `warmup()` compiles every graph up front.
 
+    `gate` decides per round whether to draft at all or take one autoregressive step (a one-row
+    verify pass, no draft pass), whichever the entropy law and the round costs measured on this
+    machine predict is faster (`glance_rt.round.gate`; the output is the same either way): None
+    (default) on wherever the passes can run one row (engines: built with `--tree-budget 0`), True
+    or a `GateConfig` on (an error where it cannot run), False: draft every round.
+
     `prepack` chooses the kernel of each linear layer (fp32 weights on a CPU with oneDNN, eager and
     compiled alike; engines run the weights they were built from): "auto" (default) times torch's
     own linear against oneDNN's prepacked copy for each weight shape at the round's row counts and
@@ -108,7 +122,8 @@ class Decoder:
 
     def __init__(self, target, drafter=None, tree_budget=DEFAULT_TREE_BUDGET, chain: bool = False,
                  max_length: int = DEFAULT_MAX_LENGTH, backend: "str | Backend" = "eager", chunk: int = 64,
-                 lookup: int | None = None, prepack: "bool | str | KernelTuner" = "auto"):
+                 lookup: int | None = None, prepack: "bool | str | KernelTuner" = "auto",
+                 gate: "bool | GateConfig | None" = None):
         self.policy = tree_budget if isinstance(tree_budget, AdaptiveBudget) else None
         if self.policy is not None:
             if chain:
@@ -133,6 +148,10 @@ class Decoder:
             self.policy = None
         block = drafter.block_size if drafter is not None else 1
         self.tree_budget = 0 if drafter is None else min(tree_budget, block - 1) if chain else tree_budget
+        self.gate = None
+        if drafter is not None and gate is not False:
+            self.gate = DraftGate(gate if isinstance(gate, GateConfig) else GateConfig())
+        self.pending_rows = max_depth(block) + 1  # drafter-context rows a skipped draft may leave pending
         verify_rows = tuple(b + 1 for b in self.budgets)
         self.verifier, self.drafter = round_modules(target, drafter, max_length, verify_rows, kernels)
         vocab = getattr(self.drafter, "draft_vocab", None)  # draft-logit column -> token id, or None
@@ -144,12 +163,14 @@ class Decoder:
         self.prefill_inputs = target.prefill_inputs if make_inputs is None else make_inputs(target)
 
     @classmethod
-    def from_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int | None = None) -> "Decoder":
+    def from_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int | None = None,
+                    gate: "bool | GateConfig | None" = None) -> "Decoder":
         """A Decoder that runs the engine built in `path` (`glance-rt build-engine`). `target` and
         `drafter` default to the ones the engine was built from (any other must match its manifest);
         `tree_budget` defaults to its largest budget bucket, or pass an int or AdaptiveBudget over its
-        buckets; `lookup` as in `Decoder` (a host-side choice of tree rows: any engine runs it)."""
-        return load_engine(cls, path, target, drafter, tree_budget, lookup)
+        buckets; `lookup` as in `Decoder` (a host-side choice of tree rows: any engine runs it);
+        `gate` as in `Decoder` (it needs the one-row verify graph of `--tree-budget 0`)."""
+        return load_engine(cls, path, target, drafter, tree_budget, lookup, gate)
 
     @classmethod
     def from_method(cls, method: Method, target, drafter=None, max_length: int | None = None,
@@ -159,13 +180,15 @@ class Decoder:
         an engine has its own). `policy`: the calibrated AdaptiveBudget of an "adaptive" method."""
         drafter = None if method.kind == "ar" else drafter
         if method.engine is not None:
-            return cls.from_engine(method.engine, target, drafter, tree_budget=method.tree_budget, lookup=method.lookup)
+            return cls.from_engine(method.engine, target, drafter, tree_budget=method.tree_budget, lookup=method.lookup,
+                                   gate=None if method.gate else False)
         if method.kind == "adaptive" and policy is None:
             raise GlanceError("an adaptive method needs its calibrated AdaptiveBudget (glance_rt.round.adaptive)")
         plain = method.backend == "plain"  # eager with the HF modules' own linear layers
         return cls(target, drafter, tree_budget=policy if method.kind == "adaptive" else method.tree_budget,
                    chain=method.kind == "chain", lookup=method.lookup, max_length=max_length or DEFAULT_MAX_LENGTH,
-                   backend="eager" if plain else method.backend, prepack=False if plain else "auto")
+                   backend="eager" if plain else method.backend, prepack=False if plain else "auto",
+                   gate=None if method.gate else False)
 
     @staticmethod
     def _kernels(prepack, packable: bool):
@@ -199,12 +222,15 @@ class Decoder:
         if self.policy is not None:
             base = "adaptive"
         base += "+lookup" if self.lookup else ""
+        base += "+always" if self.drafter is not None and self.gate is None else ""
         return base if self.backend.name == "eager" else f"{base}@{self.backend.name}"
 
     @property
     def budgets(self) -> list[int]:
-        """The tree budgets this decoder's rounds may use (one verify shape each)."""
-        return [b.budget for b in self.policy.buckets] if self.policy is not None else [self.tree_budget]
+        """The tree budgets this decoder's rounds may use (one verify shape each; 0: the gate's
+        autoregressive steps)."""
+        drafted = [b.budget for b in self.policy.buckets] if self.policy is not None else [self.tree_budget]
+        return [0, *drafted] if self.gate is not None else drafted
 
     def warmup(self, prompt: str = "Hello") -> "Decoder":
         """Pay the one-time costs now, not in the first request: compile (or load) every graph at
@@ -266,16 +292,24 @@ class Decoder:
         ids = torch.cat([ids, torch.tensor(kept, dtype=torch.long)])
         yield kept
         n, bonus, ctx_feats, ctx_start = p + 1, first, feats, 0
+        if self.gate is not None:
+            self.gate.start()
         while not done:
             round_start = time.perf_counter()
             block_start = n - 1
+            budget = self.tree_budget if self.policy is None else self.policy.choose(prior)
+            # the lookup chain over prompt + committed tokens, and the size of the n-gram it matched
+            ngram, chain = lookup_match(ids.numpy(), self.lookup, budget) if self.lookup else (0, [])
+            drafted = self.drafter is not None
+            if drafted and self.gate is not None:  # a draft pass projects at most pending_rows context rows
+                drafted = self.gate.draft(prior, ngram, must=ctx_feats.shape[0] >= self.pending_rows)
             draft_logits = None
-            if self.drafter is not None:
+            if drafted:
                 draft_logits = self.passes.draft(ctx_feats, ctx_start, bonus, block_start)  # [B-1, V]
                 stats.draft_passes += 1
                 clock.lap("draft")
-            budget = self.tree_budget if self.policy is None else self.policy.choose(prior)
-            chain = prompt_lookup(ids.numpy(), self.lookup, budget) if self.lookup else ()  # prompt + committed
+            else:
+                budget, chain = 0, []  # one autoregressive step: the root alone
             tree = build_tree(draft_logits, bonus, budget, self.chain, self.draft_vocab, chain)
             tokens = torch.from_numpy(tree.tokens).to(dev)
             mask = torch.from_numpy(tree.mask).to(dev)
@@ -297,13 +331,21 @@ class Decoder:
             ids = torch.cat([ids, torch.tensor(kept, dtype=torch.long)])
             stats.rounds += 1
             stats.accepted_lengths.append(len(kept))
-            prior = entropy(logits[path[-1]])
+            round_prior, prior = prior, entropy(logits[path[-1]])
             if not done:
                 self.passes.commit(path, block_start)
-                ctx_feats = feats[torch.tensor(path, device=dev)] if self.drafter is not None else feats
-                ctx_start, n, bonus = block_start, n + len(path), run[-1]
+                if self.drafter is None:
+                    ctx_feats = feats
+                else:  # the accepted rows' features: the next draft pass projects them (after any skipped rounds')
+                    accepted = feats[torch.tensor(path, device=dev)]
+                    ctx_feats, ctx_start = (accepted, block_start) if drafted else (torch.cat([ctx_feats, accepted]),
+                                                                                    ctx_start)
+                n, bonus = n + len(path), run[-1]
             clock.lap("commit")
-            stats.round_seconds.append(time.perf_counter() - round_start)
+            seconds = time.perf_counter() - round_start
+            stats.round_seconds.append(seconds)
+            if self.gate is not None:
+                self.gate.record(drafted, round_prior, ngram, len(run), seconds)
             yield kept
 
     def generate(self, max_new_tokens: int = 128, sampling: Sampling = GREEDY, **inputs) -> GenerateResult:

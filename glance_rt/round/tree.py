@@ -45,13 +45,18 @@ def check_budget(budget: int) -> None:
 def prompt_lookup(history: np.ndarray, max_ngram: int, length: int) -> list[int]:
     """history [L] (prompt + committed tokens, the root last) -> up to `length` tokens that followed
     the latest earlier occurrence of its last n tokens, for the largest n <= max_ngram that occurs."""
+    return lookup_match(history, max_ngram, length)[1]
+
+
+def lookup_match(history: np.ndarray, max_ngram: int, length: int) -> tuple[int, list[int]]:
+    """`prompt_lookup` with the size n of the n-gram it matched (0: none)."""
     for n in range(min(max_ngram, len(history) - 1), 0, -1):
         windows = np.lib.stride_tricks.sliding_window_view(history[:-1], n)  # [L-n, n], starts 0..L-1-n
         hits = np.flatnonzero((windows == history[-n:]).all(1))
         if len(hits):
             start = int(hits[-1]) + n  # the token after the match
-            return history[start : start + length].tolist()
-    return []
+            return n, history[start : start + length].tolist()
+    return 0, []
 
 
 def max_depth(block_size: int) -> int:

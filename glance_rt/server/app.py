@@ -106,7 +106,7 @@ class Worker:
             job.put("error", ApiError(408, "the request ran past the server's --request-timeout", kind="timeout"))
             return
         job.put("done", {"finish_reason": reason, "completion_tokens": len(tokens), "text": text,
-                         "prompt_tokens": stats.prompt_tokens, "tau": stats.mean_accepted, "rounds": stats.rounds})
+                         "prompt_tokens": stats.prompt_tokens, "tau": stats.tau, "rounds": stats.rounds})
 
 
 def create_app(decoder, model_name: str, max_queue: int = 16, request_timeout: float = 600.0,

@@ -52,10 +52,11 @@ class Record:
     tokens: int
     ttft: float
     matches_hf: bool | None  # equals the reference's tokens (HF greedy; "ar" when sampling); None: not comparable
-    accepted_lengths: list = field(default_factory=list)
-    root_entropy: list = field(default_factory=list)
+    accepted_lengths: list = field(default_factory=list)  # per drafted round (per round where none drafted)
+    root_entropy: list = field(default_factory=list)  # of the same rounds
     timings: dict = field(default_factory=dict)
     draft_passes: int = 0
+    rounds: int = 0  # all rounds, the draft gate's autoregressive steps included
     peak_mem_mb: float | None = None
 
     @property
@@ -224,7 +225,8 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
             method = Method.parse(m) if m not in ("hf", "hf-lookup") and ":" not in m else None
             if method is not None and method.kind == "tree" and not method.lookup:  # plain trees calibrate adaptive
                 calibration.setdefault(method.backend, {}).setdefault(method.tree_budget, []).extend(
-                    zip(stats.prior_entropy, stats.accepted_lengths, stats.round_seconds, strict=True))
+                    row[1:] for row in zip(stats.budgets, stats.prior_entropy, stats.accepted_lengths,
+                                           stats.round_seconds, strict=True) if row[0] > 0)
     for adaptive in [m for m in cfg.methods if m.partition("@")[0] == "adaptive"]:
         try:
 
@@ -262,8 +264,10 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
                 rec = Record(row["id"], row["kind"], m, seconds, len(ids), ttft, ok,
                              peak_mem_mb=_peak_mb(target.device))
                 if stats is not None:
-                    rec.accepted_lengths, rec.root_entropy = list(stats.accepted_lengths), list(stats.root_entropy)
-                    rec.timings, rec.draft_passes = dict(stats.timings), stats.draft_passes
+                    drafted = [i for i, b in enumerate(stats.budgets) if b > 0 or not stats.draft_passes]
+                    rec.accepted_lengths = [stats.accepted_lengths[i] for i in drafted]
+                    rec.root_entropy = [stats.root_entropy[i] for i in drafted]
+                    rec.timings, rec.draft_passes, rec.rounds = dict(stats.timings), stats.draft_passes, stats.rounds
                 records.append(rec)
                 bar.update(1)
     except KeyboardInterrupt:
@@ -321,8 +325,8 @@ def ar_base(method: str, methods) -> str:
 def method_summary(records: list[Record], method: str, kind: str | None = None) -> dict:
     rs = [r for r in records if r.method == method and (kind is None or r.kind == kind)]
     ar = ar_base(method, {r.method for r in records})
-    lens = [n for r in rs for n in r.accepted_lengths]
-    rounds = len(lens)
+    lens = [n for r in rs for n in r.accepted_lengths]  # drafted rounds'
+    all_rounds = sum(r.rounds for r in rs)
     timings = {}
     for r in rs:
         for k, v in r.timings.items():
@@ -337,7 +341,7 @@ def method_summary(records: list[Record], method: str, kind: str | None = None) 
         "speedup_vs_eager": _quartiles(_ratios(records, method, base, kind)) if (base := eager_base(method)) else None,
         "tau": float(np.mean(lens)) if lens else None,
         "tau_hist": hist,
-        "draft_passes_per_round": (sum(r.draft_passes for r in rs) / rounds) if rounds else None,
+        "draft_passes_per_round": (sum(r.draft_passes for r in rs) / all_rounds) if all_rounds else None,
         "phase_seconds": timings,
         "ttft": _quartiles([r.ttft for r in rs]),
         "peak_mem_mb": max((r.peak_mem_mb or 0.0) for r in rs) if rs else None,
