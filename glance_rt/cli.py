@@ -198,14 +198,14 @@ def _describe(dec) -> str:
 
 def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> None:
     """The same engine without a drafter (same backend, caches and shapes; eager for a built engine,
-    which has no one-row verify graph), warmed up, on the same prompt: tokens/s of both, tau, and
+    whose manifest names its drafter), warmed up, on the same prompt: tokens/s of both, tau, and
     whether the tokens are identical (they must be)."""
     from glance_rt.round.loop import Decoder
     from glance_rt.round.verify import BACKENDS
 
     if dec.drafter is None:
         raise GlanceError("--compare compares GLANCE with autoregression: it needs a drafter")
-    same_engine = dec.backend.name in BACKENDS  # an engine holds only the verify graphs it was built with
+    same_engine = dec.backend.name in BACKENDS  # an engine is loaded with its drafter
     ar = Decoder(dec.target, None, max_length=dec.max_length, backend=dec.backend if same_engine else "eager")
     click.echo(f"[glance-rt] warming up {_describe(ar)} ...", err=True)
     ar.warmup()
@@ -217,8 +217,8 @@ def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> 
     click.echo(f"GLANCE ({_describe(dec)}): {n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, "
                f"{result.stats.mean_accepted:.2f} tokens per round ({result.stats.rounds} rounds, "
                f"{result.stats.draft_passes} drafted; tau {result.stats.tau:.2f})")
-    where = "same engine" if same_engine else "eager: this engine has no one-row verify graph; `bench` times an " \
-        "AR engine built with --no-drafter against it"
+    where = "same engine" if same_engine else "eager: --compare runs an engine's autoregression eagerly; `bench` " \
+        "times an AR engine built with --no-drafter against it"
     click.echo(f"autoregressive ({where}):   {m} tokens in {ar_elapsed:.2f} s, {m / ar_elapsed:.1f} tok/s")
     click.echo(f"speed-up {n / elapsed / (m / ar_elapsed):.2f}x; tokens identical: {'yes' if same else 'NO'}")
     if not same:

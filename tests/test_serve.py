@@ -171,6 +171,7 @@ def test_completions_models_metrics(server, offline):
     assert r.choices[0].text and r.usage.completion_tokens <= 8
     text = get(server.url + "/metrics")[1]
     assert "glance_requests_total" in text and "glance_accepted_tokens_per_round_bucket" in text
+    assert "glance_draft_passes_total" in text
     code, body = get(server.url + "/nope")
     assert code == 404 and json.loads(body)["error"]["type"] == "invalid_request_error"
 

@@ -45,10 +45,15 @@ class Stats:
         return sum(self.accepted_lengths) / max(len(self.accepted_lengths), 1)
 
     @property
+    def drafted(self) -> list[int]:
+        """The indices of the drafted rounds (of every round where none drafted: autoregression)."""
+        return [i for i, b in enumerate(self.budgets) if b > 0 or not self.draft_passes]
+
+    @property
     def tau(self) -> float:
         """Tokens committed per drafted round (per round where none drafted): what a drafter achieves."""
-        drafted = [n for n, b in zip(self.accepted_lengths, self.budgets, strict=True) if b > 0]
-        return sum(drafted) / len(drafted) if drafted else self.mean_accepted
+        lengths = [self.accepted_lengths[i] for i in self.drafted]
+        return sum(lengths) / max(len(lengths), 1)
 
 
 @dataclass

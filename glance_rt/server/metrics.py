@@ -38,7 +38,7 @@ class Metrics:
         self.requests = 0  # accepted into the queue
         self.rejected = 0  # 429: queue full
         self.finished: dict[str, int] = {}  # by finish reason
-        self.prompt_tokens = self.completion_tokens = self.rounds = 0
+        self.prompt_tokens = self.completion_tokens = self.rounds = self.draft_passes = 0
         self.queue_depth = 0
         self.ttft, self.itl = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS)
         self.accepted = Histogram(ACCEPT_BUCKETS)
@@ -57,8 +57,9 @@ class Metrics:
             self.prompt_tokens += stats.prompt_tokens
             self.completion_tokens += tokens
             self.rounds += stats.rounds
-            for n in stats.accepted_lengths:
-                self.accepted.observe(n)
+            self.draft_passes += stats.draft_passes
+            for i in stats.drafted:  # drafted rounds (every round of autoregression)
+                self.accepted.observe(stats.accepted_lengths[i])
 
     def text(self) -> str:
         with self.lock:
@@ -71,6 +72,7 @@ class Metrics:
                 "# TYPE glance_completion_tokens_total counter",
                 f"glance_completion_tokens_total {self.completion_tokens}",
                 "# TYPE glance_rounds_total counter", f"glance_rounds_total {self.rounds}",
+                "# TYPE glance_draft_passes_total counter", f"glance_draft_passes_total {self.draft_passes}",
                 "# TYPE glance_queue_depth gauge", f"glance_queue_depth {self.queue_depth}",
                 "# TYPE glance_time_to_first_token_seconds histogram",
                 *self.ttft.lines("glance_time_to_first_token_seconds"),

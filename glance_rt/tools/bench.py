@@ -264,9 +264,8 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
                 rec = Record(row["id"], row["kind"], m, seconds, len(ids), ttft, ok,
                              peak_mem_mb=_peak_mb(target.device))
                 if stats is not None:
-                    drafted = [i for i, b in enumerate(stats.budgets) if b > 0 or not stats.draft_passes]
-                    rec.accepted_lengths = [stats.accepted_lengths[i] for i in drafted]
-                    rec.root_entropy = [stats.root_entropy[i] for i in drafted]
+                    rec.accepted_lengths = [stats.accepted_lengths[i] for i in stats.drafted]
+                    rec.root_entropy = [stats.root_entropy[i] for i in stats.drafted]
                     rec.timings, rec.draft_passes, rec.rounds = dict(stats.timings), stats.draft_passes, stats.rounds
                 records.append(rec)
                 bar.update(1)
