@@ -106,6 +106,10 @@ def test_engine_refuses_what_it_was_not_built_for(llama_engine, tmp_path):
         glance_rt.Decoder.from_engine(llama_engine, target, drafter_for(target, seed=2))
     with pytest.raises(glance_rt.GlanceError, match="tree budgets"):
         glance_rt.Decoder.from_engine(llama_engine, target, drafter_for(target), tree_budget=32)
+    with pytest.raises(glance_rt.GlanceError, match="no one-row verify graph"):  # built without --tree-budget 0
+        glance_rt.Decoder.from_engine(llama_engine, target, drafter_for(target), gate=True)
+    ungated = glance_rt.Decoder.from_engine(llama_engine, target, drafter_for(target))
+    assert ungated.gate is None and ungated.method_name == "tree-12+lookup+always@aoti"
     copy = tmp_path / "copy"
     copy.mkdir()
     for f in llama_engine.iterdir():
@@ -150,10 +154,10 @@ def test_cli_build_engine_then_generate(tmp_path_factory, tmp_path):
     drafter_for(target).save(tmp_path / "drafter")
     out = tmp_path / "engine"
     result = CliRunner().invoke(main, ["build-engine", "--target", path, "--drafter", str(tmp_path / "drafter"),
-                                       "--tree-budget", "4", "--tree-budget", "8", "--max-length", "128",
-                                       "--chunk", "16", "--out", str(out)])
+                                       "--tree-budget", "0", "--tree-budget", "4", "--tree-budget", "8",
+                                       "--max-length", "128", "--chunk", "16", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert json.loads((out / "manifest.json").read_text())["budgets"] == [4, 8]
+    assert json.loads((out / "manifest.json").read_text())["budgets"] == [0, 4, 8]  # 0: the draft gate's steps
     inputs = target.encode_chat("Hello there.")
     want = target.decode(hf_greedy(target.hf_model, inputs, 12))
     result = CliRunner().invoke(main, ["generate", "--engine", str(out), "--prompt", "Hello there.",
@@ -162,7 +166,7 @@ def test_cli_build_engine_then_generate(tmp_path_factory, tmp_path):
     assert want.strip() in result.stdout and "draft passes" in result.stderr
     result = CliRunner().invoke(main, ["generate", "--engine", str(out), "--prompt", "Hello there.",
                                        "--max-new-tokens", "12", "--compare"])
-    assert result.exit_code == 0, result.output  # against eager autoregression: the engine has no 1-row graph
+    assert result.exit_code == 0, result.output  # against eager autoregression
     assert "autoregressive (eager" in result.stdout and "tokens identical: yes" in result.stdout
     suite = tmp_path / "suite.jsonl"
     suite.write_text("".join(json.dumps({"prompt": p, "kind": "chat"}) + "\n" for p in ["Hi.", "Copy: a b."]))

@@ -20,11 +20,12 @@ def test_lazy_names_resolve():
     from glance_rt import errors, method
     from glance_rt.hf import target
     from glance_rt.models import drafter
-    from glance_rt.round import loop, sample
+    from glance_rt.round import gate, loop, sample
 
     homes = {"load_target": target, "Target": target, "init_drafter": drafter, "load_drafter": drafter,
              "GlanceDrafter": drafter, "DrafterConfig": drafter, "Decoder": loop, "GenerateResult": loop,
-             "Stats": loop, "Method": method, "GlanceError": errors, "GlanceWarning": errors, "Sampling": sample}
+             "Stats": loop, "Method": method, "GlanceError": errors, "GlanceWarning": errors, "Sampling": sample,
+             "GateConfig": gate}
     assert set(glance_rt.__all__) == {*homes, "__version__"}
     for name, module in homes.items():
         assert getattr(glance_rt, name) is getattr(module, name), name

@@ -231,9 +231,10 @@ def test_a_pass_slower_with_its_kernels_runs_torchs_own_at_that_class(arch, tmp_
     cache = tmp_path / "k.json"
     tuner = KernelTuner(FakeTimer(lambda o, i, r: True), cache=cache, pass_timer=passes)
     dec = glance_rt.Decoder(target, drafter, tree_budget=6, lookup=0, prepack=tuner)
-    assert sorted(k.split(":")[0] for k in passes.keys) == ["draft@4", "draft@64", "verify@64", "verify@7"]
+    # verify at 1 row: the draft gate's autoregressive steps
+    assert sorted(k.split(":")[0] for k in passes.keys) == ["draft@4", "draft@64", "verify@1", "verify@64", "verify@7"]
     verify = dec.kernel_choices["verify"]
-    assert verify and all(v == {7: "onednn", K.PREFILL_ROWS: "mkl"} for v in verify.values())
+    assert verify and all(v == {1: "onednn", 7: "onednn", K.PREFILL_ROWS: "mkl"} for v in verify.values())
     assert set(dec.kernel_choices["draft"].values()) == {"onednn"}
     assert dec.generate(max_new_tokens=24, **inputs).token_ids == hf_greedy(model, inputs, 24)
     again = FakePassTimer()  # another tuner on the same cache file: the verdicts are read, not re-timed
@@ -241,7 +242,7 @@ def test_a_pass_slower_with_its_kernels_runs_torchs_own_at_that_class(arch, tmp_
                              prepack=KernelTuner(FakeTimer(lambda o, i, r: True), cache=cache, pass_timer=again))
     assert again.keys == [] and dec2.kernel_choices == dec.kernel_choices
     data = json.loads(cache.read_text())
-    assert all(len(m["passes"]) == 4 for m in data["machines"].values())
+    assert all(len(m["passes"]) == 5 for m in data["machines"].values())
 
 
 def test_a_pass_that_runs_torchs_own_linear_is_not_timed(tmp_path):
