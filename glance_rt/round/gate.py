@@ -69,6 +69,7 @@ class DraftGate:
     def __init__(self, config: GateConfig = GateConfig()):
         self.config = config
         self.rows: deque = deque(maxlen=config.window)  # (features, tokens) of drafted rounds
+        self.weights: np.ndarray | None = None  # the model fitted on `rows` ([6]); None: too few rows
         self.seconds = {kind: deque(maxlen=config.window) for kind in (False, True)}  # drafted? -> round seconds
         self.start()
 
@@ -85,12 +86,16 @@ class DraftGate:
 
     def predict(self, entropy: float, ngram: int) -> float | None:
         """Predicted tokens a drafted round commits now (None: fewer than `min_drafted` seen)."""
-        if len(self.rows) < self.config.min_drafted:
+        if self.weights is None:
             return None
-        x = np.asarray([f for f, _ in self.rows], float)  # [N, 6]
-        y = np.asarray([t for _, t in self.rows], float)  # [N]
-        w = np.linalg.lstsq(x, y, rcond=None)[0]
-        return float(np.asarray(features(entropy, ngram, self._recent()), float) @ w)
+        return float(np.asarray(features(entropy, ngram, self._recent()), float) @ self.weights)
+
+    def _fit(self) -> None:
+        """Refit the model on `rows` (only a drafted round changes them)."""
+        if len(self.rows) >= self.config.min_drafted:
+            x = np.asarray([f for f, _ in self.rows], float)  # [N, 6]
+            y = np.asarray([t for _, t in self.rows], float)  # [N]
+            self.weights = np.linalg.lstsq(x, y, rcond=None)[0]
 
     def cost_ratio(self) -> float | None:
         """c_d / c_a: median seconds of a drafted round over those of an autoregressive step."""
@@ -125,6 +130,7 @@ class DraftGate:
             else:
                 self.run = self.config.explore
             self.rows.append((features(entropy, ngram, self._recent()), tokens))
+            self._fit()
             self.recent = tokens if self.recent is None else (self.recent + tokens) / 2
             self.skipped = 0
         else:

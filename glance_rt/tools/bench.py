@@ -225,8 +225,7 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
             method = Method.parse(m) if m not in ("hf", "hf-lookup") and ":" not in m else None
             if method is not None and method.kind == "tree" and not method.lookup:  # plain trees calibrate adaptive
                 calibration.setdefault(method.backend, {}).setdefault(method.tree_budget, []).extend(
-                    row[1:] for row in zip(stats.budgets, stats.prior_entropy, stats.accepted_lengths,
-                                           stats.round_seconds, strict=True) if row[0] > 0)
+                    (stats.prior_entropy[i], stats.accepted_lengths[i], stats.round_seconds[i]) for i in stats.drafted)
     for adaptive in [m for m in cfg.methods if m.partition("@")[0] == "adaptive"]:
         try:
 
