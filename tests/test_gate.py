@@ -50,8 +50,28 @@ def test_gate_learns_then_skips_where_drafting_loses():
     assert gate.run == 3 and gate.skipped == 0
 
 
+def test_request_residuals_correct_the_shared_model():
+    """A request whose rounds commit less than the shared model predicts stops drafting sooner than
+    the shared model alone would (shrink so large that residuals never count)."""
+    choices = {}
+    for shrink in (2.0, 1e9):
+        gate = DraftGate(GateConfig(min_drafted=4, min_steps=1, margin=1.0, shrink=shrink))
+        for _ in range(3):  # requests the features explain: 5 tokens after a 3-gram match, 2 without
+            gate.start()
+            feed(gate, [(True, 1.0, 3, 5, 0.25), (True, 1.0, 0, 2, 0.25)] * 3)
+        feed(gate, [(False, 1.0, 0, 1, 0.1)])
+        assert gate.cost_ratio() == pytest.approx(2.5) and gate.predict(1.0, 3) == pytest.approx(5.0)
+        gate.start()  # a request whose 3-gram rounds commit 1 token each
+        choices[shrink] = feed(gate, [(True, 1.0, 3, 1, 0.25)] * 6)
+        gate.start()  # the next request starts from the shared model again
+        assert gate.residual == (0.0, 0) and gate.draft(1.0, 3)
+    assert choices[2.0] == [True] * 2 + [False] * 4
+    assert choices[1e9] == [True] * 4 + [False] * 2
+
+
 def test_gate_config_is_checked():
-    for bad in ({"window": 1}, {"min_drafted": 0}, {"explore": 5, "max_explore": 4}, {"margin": 0.0}):
+    for bad in ({"window": 1}, {"min_drafted": 0}, {"explore": 5, "max_explore": 4}, {"margin": 0.0},
+                {"shrink": 0.0}):
         with pytest.raises(GlanceError, match="need"):
             GateConfig(**bad)
 

@@ -10,10 +10,13 @@ Before each round the gate predicts tau from what is known then, with a linear m
 least squares on the decoder's own recent drafted rounds: the target's next-token entropy at the row
 that made the round's root (tau falls with it: the entropy law), the size of the n-gram prompt
 lookup matched (0 to 3: copying), and the request's recent acceptance (an average of its drafted
-rounds, halving the weight of each older one). It drafts when the prediction reaches `margin` times
-the cost ratio, the ratio of the median recent wall times of each kind of round. Both kinds of round
-commit exactly the target's tokens (greedy, or the keyed sampling draws of `glance_rt.round.sample`),
-so the gate changes speed, never output.
+rounds, halving the weight of each older one). The model is shared by every request, so what its
+inputs miss about one request (a chat turn whose rounds commit less than its features say) shows in
+that request's residuals: its predictions add their mean, shrunk towards 0 while they are few
+(`shrink`). It drafts when the prediction reaches `margin` times the cost ratio, the ratio of the
+median recent wall times of each kind of round. Both kinds of round commit exactly the target's
+tokens (greedy, or the keyed sampling draws of `glance_rt.round.sample`), so the gate changes speed,
+never output.
 
 It learns as it runs: the first `min_drafted` rounds draft and the next `min_steps` take
 autoregressive steps, to measure (a decoder's `warmup` pays for part of it); after `explore`
@@ -23,6 +26,7 @@ returns to `explore` when one pays).
 Replayed offline over the rounds of 30 held-out prompts at cost ratios 1.7-3.0 (`scripts/gate_replay.py`;
 docs/benchmarks.md, "the draft gate"), it keeps the slowest prompt at 0.86-0.94x autoregression where
 drafting every round falls to 0.49-0.87x, for a median over all prompts 3% lower to 7% higher.
+The request residuals raised the slowest prompt of another 30 from 0.85 to 0.92x (same median).
 """
 
 from collections import deque
@@ -41,7 +45,8 @@ class GateConfig:
     a draft. `explore`: at most this many autoregressive steps in a row, then one drafted round
     (doubling up to `max_explore` while those rounds do not pay).
     `margin`: draft when predicted tau >= margin * cost ratio (below 1 leans towards drafting, which
-    a wrong prediction costs less)."""
+    a wrong prediction costs less). `shrink`: a request's residuals (tokens committed minus the
+    shared model's prediction) add sum / (count + shrink) to its predictions."""
 
     window: int = 128
     min_drafted: int = 16
@@ -49,12 +54,14 @@ class GateConfig:
     explore: int = 8
     max_explore: int = 16
     margin: float = 0.9
+    shrink: float = 2.0
 
     def __post_init__(self):
         if (self.window < 2 or not 1 <= self.min_drafted <= self.window or not 1 <= self.min_steps <= self.window
-                or not 1 <= self.explore <= self.max_explore or not self.margin > 0):
+                or not 1 <= self.explore <= self.max_explore or not self.margin > 0
+                or not self.shrink > 0):
             raise GlanceError(f"{self}: need window >= 2, min_drafted and min_steps in [1, window], "
-                              "1 <= explore <= max_explore and margin > 0")
+                              "1 <= explore <= max_explore, margin > 0 and shrink > 0")
 
 
 def features(entropy: float, ngram: int, recent: float) -> list[float]:
@@ -64,7 +71,7 @@ def features(entropy: float, ngram: int, recent: float) -> list[float]:
 
 class DraftGate:
     """The gate's state for one decoder: the model's rounds and the costs carry over between
-    requests; `start()` begins a request (its recent acceptance and run of steps)."""
+    requests; `start()` begins a request (its recent acceptance, residuals and run of steps)."""
 
     def __init__(self, config: GateConfig = GateConfig()):
         self.config = config
@@ -78,17 +85,24 @@ class DraftGate:
         self.skipped = 0  # autoregressive steps since the last drafted round
         self.run = self.config.explore  # autoregressive steps allowed in a row now
         self.exploring = False  # the coming round drafts only to explore
+        self.residual = (0.0, 0)  # this request's drafted rounds: sum of (tokens - shared prediction), count
 
     def _recent(self) -> float:
         if self.recent is not None:
             return self.recent
         return float(np.mean([t for _, t in self.rows])) if self.rows else 1.0
 
+    def _shared(self, entropy: float, ngram: int) -> float:
+        """The shared model's prediction (needs `weights`)."""
+        return float(np.asarray(features(entropy, ngram, self._recent()), float) @ self.weights)
+
     def predict(self, entropy: float, ngram: int) -> float | None:
-        """Predicted tokens a drafted round commits now (None: fewer than `min_drafted` seen)."""
+        """Predicted tokens a drafted round commits now (None: fewer than `min_drafted` seen): the
+        shared model's, plus this request's shrunk mean residual."""
         if self.weights is None:
             return None
-        return float(np.asarray(features(entropy, ngram, self._recent()), float) @ self.weights)
+        total, count = self.residual
+        return self._shared(entropy, ngram) + total / (count + self.config.shrink)
 
     def _fit(self) -> None:
         """Refit the model on `rows` (only a drafted round changes them)."""
@@ -129,6 +143,9 @@ class DraftGate:
                 self.run = min(2 * self.run, self.config.max_explore)
             else:
                 self.run = self.config.explore
+            if self.weights is not None:  # against the prediction the round was decided on
+                total, count = self.residual
+                self.residual = (total + tokens - self._shared(entropy, ngram), count + 1)
             self.rows.append((features(entropy, ngram, self._recent()), tokens))
             self._fit()
             self.recent = tokens if self.recent is None else (self.recent + tokens) / 2
