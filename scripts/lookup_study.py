@@ -63,7 +63,7 @@ def capped_tau(pairs: list[tuple[int, int]], per_kind: int, drafter_dir: str | N
     rows = heldout_rows(read_prompts(default_corpus_path()), per_kind)
     for budget, cap in pairs:
         tree.lookup_rows = lambda block, b, cap=cap: min(cap, b)  # this experiment's rule (see the docstring)
-        dec = glance_rt.Decoder(target, drafter, tree_budget=budget, lookup=3)
+        dec = glance_rt.Decoder(target, drafter, tree_budget=budget, lookup=3, gate=False)  # tau of every round
         by_kind, start = collections.defaultdict(list), time.perf_counter()
         for r in rows:
             out = dec.generate(max_new_tokens=128, **target.encode_chat(r["prompt"]))

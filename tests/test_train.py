@@ -102,6 +102,7 @@ def test_end_to_end_resume_and_reproducibility(tmp_path, monkeypatch):
     assert (out / "drafter" / "config.json").exists() and (out / "eval.json").exists()
     assert set(result["kinds"]) == {"extraction", "chat"}  # the held-out kinds
     assert result["overall"]["tau"] >= 1.0
+    assert result["overall"]["draft_passes"] == result["overall"]["rounds"] > 20  # tau of the drafter: no gate
     # the trained drafter loads for the target and decodes losslessly
     loaded = glance_rt.load_drafter(out / "drafter", target)
     _, model, tok = tiny_target("llama")

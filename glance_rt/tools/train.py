@@ -793,19 +793,24 @@ def evaluate_tau(target, drafter, rows: list[dict], cfg: TrainConfig, per_kind: 
     held: dict[str, list] = {}
     for r in heldout_rows(rows, per_kind):
         held.setdefault(r["kind"], []).append(r)
-    dec = Decoder(target, drafter, tree_budget=cfg.eval_budget, max_length=4096, lookup=lookup)
-    kinds, all_lens = {}, []
+    # every round drafts (gate=False): tau measures the drafter, not this machine's draft gate
+    dec = Decoder(target, drafter, tree_budget=cfg.eval_budget, max_length=4096, lookup=lookup, gate=False)
+    kinds, all_lens, passes = {}, [], 0
     bar = _bar(sum(len(v) for v in held.values()), "eval", 0 if not quiet else 1)
     for kind, items in held.items():
-        lens = []
+        lens, kind_passes = [], 0
         for r in items:
             inputs = target.encode_chat(r["prompt"], open_images(r, cfg.images))
-            lens += dec.generate(max_new_tokens=cfg.eval_tokens, **inputs).stats.accepted_lengths
+            stats = dec.generate(max_new_tokens=cfg.eval_tokens, **inputs).stats
+            lens += stats.accepted_lengths
+            kind_passes += stats.draft_passes
             bar.update(1)
-        kinds[kind] = {"tau": sum(lens) / max(len(lens), 1), "rounds": len(lens), "prompts": len(items)}
+        kinds[kind] = {"tau": sum(lens) / max(len(lens), 1), "rounds": len(lens), "draft_passes": kind_passes,
+                       "prompts": len(items)}
         all_lens += lens
+        passes += kind_passes
     bar.close()
-    return {"overall": {"tau": sum(all_lens) / max(len(all_lens), 1), "rounds": len(all_lens)},
+    return {"overall": {"tau": sum(all_lens) / max(len(all_lens), 1), "rounds": len(all_lens), "draft_passes": passes},
             "kinds": kinds, "tree_budget": cfg.eval_budget, "max_new_tokens": cfg.eval_tokens, "lookup": lookup}
 
 
