@@ -148,6 +148,7 @@ class Decoder:
         self.lookup = lookup
         kernels = self._kernels(prepack, self.backend.prepack and can_pack(target.parts.lm_head.weight))
         self.prepack = kernels is not None  # the kernels are chosen per layer (False: the plain weights)
+        self.plain = prepack is False  # asked for the plain weights (`@plain`), not just left with them
         self.target, self.chain, self.max_length = target, chain, max_length
         if drafter is None:
             self.policy = None
@@ -228,7 +229,8 @@ class Decoder:
             base = "adaptive"
         base += "+lookup" if self.lookup else ""
         base += "+always" if self.drafter is not None and self.gate is None else ""
-        return base if self.backend.name == "eager" else f"{base}@{self.backend.name}"
+        backend = "plain" if self.backend.name == "eager" and self.plain else self.backend.name
+        return base if backend == "eager" else f"{base}@{backend}"
 
     @property
     def budgets(self) -> list[int]:
