@@ -57,7 +57,8 @@ def test_default_lookup_applies_to_drafter_trees_only():
         glance_rt.Decoder(target, None, lookup=3, max_length=128)
     dec = glance_rt.Decoder.from_method(Method.parse("tree-6+lookup"), target, drafter, max_length=128)
     assert (dec.tree_budget, dec.lookup, dec.chain, dec.backend.name) == (6, DEFAULT_LOOKUP, False, "eager")
-    for name in ("ar", "chain", "tree-6", "tree-6+lookup", "tree-6+lookup@plain", "ar@plain"):  # a decoder names what it runs as Method.parse reads it
+    # a decoder names what it runs as Method.parse reads it
+    for name in ("ar", "chain", "tree-6", "tree-6+lookup", "tree-6+lookup@plain", "ar@plain"):
         assert glance_rt.Decoder.from_method(Method.parse(name), target, drafter, max_length=128).method_name == name
     assert glance_rt.Decoder.from_method(Method.parse("ar"), target, drafter, max_length=128).drafter is None
     assert not glance_rt.Decoder.from_method(Method.parse("tree-6@plain"), target, drafter, max_length=128).prepack
