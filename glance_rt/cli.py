@@ -246,7 +246,7 @@ def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> 
 @click.option("--eval-every", default=0, show_default=True, type=int)
 @click.option("--eval-per-kind", default=8, show_default=True, type=int)
 @click.option("--eval-budget", default=8, show_default=True, type=int, help="Tree budget of the held-out eval.")
-@click.option("--eval-lookup", default=3, show_default=True, type=int,
+@click.option("--eval-lookup", default=DEFAULT_LOOKUP, show_default=True, type=int,
               help="Prompt-lookup n-gram of the held-out eval (0: the drafter alone).")
 @click.option("--limit", default=None, type=int, help="Use only the first N prompts (smoke runs).")
 @click.option("--per-kind", default=None, type=int, help="Train on at most N prompts of each kind.")

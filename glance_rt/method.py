@@ -4,7 +4,7 @@ from the options `generate` and `audit` share; and the one rule that sizes the s
 
 The defaults are the fastest lossless configuration measured on the default target without a
 built engine (docs/benchmarks.md): GLANCE trees of 8 draft nodes with a prompt-lookup chain of
-n-grams up to 3 grafted in, eager passes, and the draft gate (a round drafts only where the
+n-grams up to 8 grafted in, eager passes, and the draft gate (a round drafts only where the
 entropy law and the round costs measured on the machine at hand predict drafting pays).
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from glance_rt.errors import GlanceError
 
 DEFAULT_TREE_BUDGET = 8  # draft nodes verified per round
-DEFAULT_LOOKUP = 3  # largest n-gram a prompt-lookup chain matches (on a drafter's trees)
+DEFAULT_LOOKUP = 8  # largest n-gram a prompt-lookup chain matches (on a drafter's trees)
 DEFAULT_MAX_LENGTH = 2048  # a Decoder's static cache rows when nothing sizes it to a job
 MAX_SCRATCH_BLOCK = 64  # a round's scratch holds the drafter's block: at most MAX_BLOCK_SIZE rows
 KINDS = ("ar", "chain", "tree", "adaptive")

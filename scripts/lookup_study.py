@@ -3,6 +3,7 @@
     python scripts/lookup_study.py runs              # how far the chain lookup proposes is right, per kind
     python scripts/lookup_study.py caps 8:4,8:6 20   # held-out tau with the chain capped at CAP rows
     python scripts/lookup_study.py caps 8:6 20 runs/smollm2-v7/drafter   # ... of another drafter
+    python scripts/lookup_study.py caps 8:6:3,8:6:8 20   # ... matching n-grams of up to 3, then 8 tokens
 
 `runs` reads the response store of the default target: at every response position, the chain
 `prompt_lookup` (n <= 3) proposes there is compared with the response, and the number of its leading
@@ -11,9 +12,15 @@ tokens that are right is counted (the chain a round could accept, up to 4, 7 or 
 `caps` decodes held-out prompts of the shipped corpus (PER_KIND of each kind, 128 new tokens, the
 shipped drafter or the drafter folder given, eager) at tree budget BUDGET with the chain capped at
 CAP rows (deeper than the block where CAP > B-1), each pair in turn, and prints tau overall and per
-kind. This experiment swaps `glance_rt.round.tree.lookup_rows` (the one rule the decoder asks) for
-each pair; the library's rule is what the measurements chose. Tau does not depend on timing, so
-this may run beside other work.
+kind. A third number NGRAM is the longest n-gram lookup matches (`Decoder(lookup=NGRAM)`, default 3).
+CAP may depend on how long the match was: `2-6-6-6-6-6-8` gives a chain matched on 1 token 2 rows,
+on 2..6 tokens 6 rows, on 7 or more 8 rows (the last value holds for every longer match):
+
+    python scripts/lookup_study.py caps 8:6:8,8:2-6:8,8:6-6-6-6-6-6-8:8 20
+
+This experiment swaps `glance_rt.round.tree.lookup_rows` (the one rule the decoder asks) for each
+pair; the library's rule is what the measurements chose. Tau does not depend on timing, so this may
+run beside other work.
 """
 
 import collections
@@ -52,7 +59,13 @@ def chain_runs(store: str = "data/responses/smollm2-135m-instruct", per_kind: in
               f"{np.minimum(v, 15).mean():.2f} |")
 
 
-def capped_tau(pairs: list[tuple[int, int]], per_kind: int, drafter_dir: str | None = None) -> None:
+def cap_rule(spec: str):
+    """`6` -> 6 rows for any match; `2-6-8` -> 2 rows for a 1-token match, 6 for 2, 8 for 3 or more."""
+    caps = [int(x) for x in spec.split("-")]
+    return lambda block, budget, n: min(caps[min(n, len(caps)) - 1], budget)
+
+
+def capped_tau(specs: list[str], per_kind: int, drafter_dir: str | None = None) -> None:
     import glance_rt
     import glance_rt.round.tree as tree
     from glance_rt.tools.suites import default_corpus_path, read_prompts
@@ -61,16 +74,18 @@ def capped_tau(pairs: list[tuple[int, int]], per_kind: int, drafter_dir: str | N
     target = glance_rt.load_target(None)
     drafter = glance_rt.load_drafter(drafter_dir, target)
     rows = heldout_rows(read_prompts(default_corpus_path()), per_kind)
-    for budget, cap in pairs:
-        tree.lookup_rows = lambda block, b, cap=cap: min(cap, b)  # this experiment's rule (see the docstring)
-        dec = glance_rt.Decoder(target, drafter, tree_budget=budget, lookup=3, gate=False)  # tau of every round
+    for spec in specs:
+        budget, cap, ngram = (spec + ":3").split(":")[:3]
+        budget, ngram = int(budget), int(ngram)
+        tree.lookup_rows = cap_rule(cap)  # this experiment's rule (see the docstring)
+        dec = glance_rt.Decoder(target, drafter, tree_budget=budget, lookup=ngram, gate=False)  # tau of every round
         by_kind, start = collections.defaultdict(list), time.perf_counter()
         for r in rows:
             out = dec.generate(max_new_tokens=128, **target.encode_chat(r["prompt"]))
             by_kind[r["kind"]] += out.stats.accepted_lengths
         every = [n for v in by_kind.values() for n in v]
         kinds = " ".join(f"{k} {np.mean(v):.2f}" for k, v in by_kind.items())
-        print(f"budget {budget} cap {cap}: tau {np.mean(every):.3f} ({kinds}; {len(rows)} prompts, "
+        print(f"budget {budget} cap {cap} ngram {ngram}: tau {np.mean(every):.3f} ({kinds}; {len(rows)} prompts, "
               f"{time.perf_counter() - start:.0f} s)", flush=True)
 
 
@@ -78,7 +93,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["runs"]:
         chain_runs()
     elif argv[:1] == ["caps"] and len(argv) in (3, 4):
-        capped_tau([tuple(int(x) for x in p.split(":")) for p in argv[1].split(",")], int(argv[2]), *argv[3:])
+        capped_tau(argv[1].split(","), int(argv[2]), *argv[3:])
     else:
         print(__doc__)
         return 2

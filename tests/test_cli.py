@@ -9,6 +9,7 @@ from click.testing import CliRunner
 
 import glance_rt
 from glance_rt.cli import main
+from glance_rt.method import DEFAULT_LOOKUP
 from tests.conftest import hf_greedy
 from tests.tiny_models import make_images, make_tiny
 
@@ -81,7 +82,7 @@ def test_generate_compare_warms_up_and_checks_against_autoregression(root, tmp_p
     assert result.exit_code == 0, result.output
     assert target.decode(ref).strip() in result.stdout
     assert "warming up" in result.stderr and "tokens identical: yes" in result.stdout
-    assert f"GLANCE (trees of 8 + prompt lookup 3, eager): {len(ref)} tokens" in result.stdout
+    assert f"GLANCE (trees of 8 + prompt lookup {DEFAULT_LOOKUP}, eager): {len(ref)} tokens" in result.stdout
     assert f"autoregressive (same engine):   {len(ref)} tokens" in result.stdout
     result = CliRunner().invoke(main, ["generate", "--target", path, "--prompt", "Hi", "--compare"])
     assert result.exit_code != 0 and "needs a drafter" in result.output

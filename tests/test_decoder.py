@@ -264,7 +264,7 @@ def test_prompt_lookup_trees_are_lossless(arch, budget, monkeypatch):
     assert looked.token_ids == ref
     assert all(h == prompt + ref[: len(h) - len(prompt)] for h in seen)
     assert len(seen) == looked.stats.rounds
-    full = 1 + lookup_rows(6, budget)  # the whole chain, then the bonus (deeper than the block at budget 12)
+    full = 1 + lookup_rows(6, budget, 3)  # the whole chain, then the bonus (deeper than the block at budget 12)
     assert all(n >= full for n in looked.stats.accepted_lengths[:-1])  # the last round stops at max_new_tokens
     assert looked.stats.mean_accepted > plain.stats.mean_accepted
 

@@ -7,7 +7,7 @@ import torch
 
 import glance_rt
 from glance_rt.errors import GlanceError
-from glance_rt.method import Method
+from glance_rt.method import DEFAULT_LOOKUP, Method
 from glance_rt.round.gate import DraftGate, GateConfig
 from tests.conftest import OracleDrafter, hf_greedy, tiny_target
 from tests.test_sample import HOT
@@ -78,7 +78,7 @@ def test_gate_config_is_checked():
 
 def test_method_names_say_always_draft():
     m = Method.parse("tree-8+lookup+always@compile")
-    assert (m.kind, m.tree_budget, m.lookup, m.backend, m.gate) == ("tree", 8, 3, "compile", False)
+    assert (m.kind, m.tree_budget, m.lookup, m.backend, m.gate) == ("tree", 8, DEFAULT_LOOKUP, "compile", False)
     assert m.name == "tree-8+lookup+always@compile" and Method.parse("chain+always").name == "chain+always"
     assert Method.parse("tree-8").gate and Method.parse("ar").name == "ar"
     target, _, _ = tiny_target("llama")

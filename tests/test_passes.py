@@ -74,7 +74,7 @@ def test_static_passes_accept_lookup_chains_deeper_than_the_block(arch, monkeypa
     dec = static_decoder(target, drafter, chunk=5, tree_budget=12, lookup=3, max_length=256, gate=False)
     res = dec.generate(max_new_tokens=NEW, **inputs)
     assert res.token_ids == ref
-    assert lookup_rows(4, 12) == max_depth(4) == 7  # the chain takes 7 of 12 rows, 7 deep
+    assert lookup_rows(4, 12, 3) == max_depth(4) == 7  # the chain takes 7 of 12 rows, 7 deep
     assert max(res.stats.accepted_lengths) == 8  # past the block's 3 drafted depths, and its 4 rows
 
 

@@ -37,7 +37,7 @@ def row_prefix(tree, i):
     return tuple(reversed(toks))
 
 
-def one_round(prefix, bonus, draft_logits, budget, vocab, chain=False, lookup=()):
+def one_round(prefix, bonus, draft_logits, budget, vocab, chain=False, lookup=(0, ())):
     tree = build_tree(draft_logits, bonus, budget, chain, lookup=lookup)
     base = prefix + (bonus,)
     g = np.array([target_next(base + row_prefix(tree, i), vocab) for i in range(tree.size)])
@@ -71,8 +71,9 @@ def test_any_draft_commits_greedy(logits, budget, seed, chain):
 
 
 @settings(max_examples=300, deadline=None)
-@given(logits=logits_strategy, budget=st.integers(1, 40), seed=st.integers(0, 10_000), right=st.integers(0, 9))
-def test_lookup_chain_is_grafted_and_lossless(logits, budget, seed, right):
+@given(logits=logits_strategy, budget=st.integers(1, 40), seed=st.integers(0, 10_000), right=st.integers(0, 9),
+       ngram=st.integers(1, 8))
+def test_lookup_chain_is_grafted_and_lossless(logits, budget, seed, right, ngram):
     """A prompt-lookup chain (its first `right` tokens the greedy ones, then noise) is a path of the
     tree from node 1 (as deep as `lookup_rows` lets it, past the D drafted depths), best-first shares
     it instead of repeating a prefix, its own nodes stay <= D deep, and the round still commits exactly
@@ -84,9 +85,9 @@ def test_lookup_chain_is_grafted_and_lossless(logits, budget, seed, right):
     bonus = int(rng.integers(0, vocab))
     want = greedy(prefix + (bonus,), 9, vocab)
     chain = want[:right] + [int(t) for t in rng.integers(0, vocab, size=9 - right)]
-    tree, path, run = one_round(prefix, bonus, draft, budget, vocab, lookup=chain)
+    tree, path, run = one_round(prefix, bonus, draft, budget, vocab, lookup=(ngram, chain))  # matched ngram tokens
     assert run == greedy(prefix + (bonus,), len(run), vocab)
-    n = min(lookup_rows(depth + 1, budget), len(chain))  # a block of D + 1 rows drafts D depths
+    n = min(lookup_rows(depth + 1, budget, ngram), len(chain))  # a block of D + 1 rows drafts D depths
     assert tree.size == budget + 1 and tree.depth.max() <= max(depth, n)  # the chain may run past the block
     assert [int(t) for t in tree.tokens[1 : n + 1]] == chain[:n] and list(tree.parent[1 : n + 1]) == list(range(n))
     real = [i for i in range(1, tree.size) if i == 1 or not (tree.tokens[i] == tree.tokens[1] and tree.parent[i] == 0)]
@@ -192,3 +193,11 @@ def test_stops_cut_run_exactly():
 def test_budget_out_of_range(budget):
     with pytest.raises(GlanceError, match="tree_budget"):
         check_budget(budget)
+
+
+def test_lookup_rows_follow_the_match_length():
+    """A long match takes the whole budget, a 1-token match a quarter, others three quarters; never
+    deeper than the block allows (docs/benchmarks.md, "Lookup chain length")."""
+    assert [lookup_rows(8, 8, n) for n in range(1, 9)] == [2, 6, 6, 6, 8, 8, 8, 8]
+    assert [lookup_rows(8, 16, n) for n in (1, 3, 5)] == [4, 12, 15]  # max_depth(8) = 15
+    assert [lookup_rows(4, 2, n) for n in (1, 2, 5)] == [1, 2, 2]

@@ -317,7 +317,7 @@ class Decoder:
                 clock.lap("draft")
             else:
                 budget, chain = 0, []  # one autoregressive step: the root alone
-            tree = build_tree(draft_logits, bonus, budget, self.chain, self.draft_vocab, chain)
+            tree = build_tree(draft_logits, bonus, budget, self.chain, self.draft_vocab, (ngram, chain))
             tokens = torch.from_numpy(tree.tokens).to(dev)
             mask = torch.from_numpy(tree.mask).to(dev)
             index = torch.from_numpy(tree.depth).to(dev) + block_start

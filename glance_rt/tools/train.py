@@ -36,6 +36,7 @@ from torch import Tensor
 from glance_rt.errors import GlanceError
 from glance_rt.files import atomic_write, open_images
 from glance_rt.hf.arch import extend_inputs
+from glance_rt.method import DEFAULT_LOOKUP
 from glance_rt.models.drafter import (
     build_target_layer_ids,
     init_drafter,
@@ -84,8 +85,8 @@ class TrainConfig:
     save_every: int = 100
     eval_every: int = 0  # 0: evaluate at the end only
     eval_per_kind: int = 8
-    eval_budget: int = 8  # `glance-rt generate`'s defaults: tree budget 8 with lookup chains of n-grams up to 3
-    eval_lookup: int = 3
+    eval_budget: int = 8  # `glance-rt generate`'s defaults: tree budget 8 with lookup chains of n-grams up to 8
+    eval_lookup: int = DEFAULT_LOOKUP
     eval_tokens: int = 128
     limit: int | None = None  # use only the first N prompts (smoke runs)
     per_kind: int | None = None  # train on at most N prompts of each kind (held-out prompts are never trained on)
