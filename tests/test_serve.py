@@ -86,7 +86,7 @@ def server(tiny):
 
 @pytest.fixture(scope="module")
 def offline(tiny):
-    """The same method offline (the server's defaults: tree 8 + lookup 3, eager, same cache size)."""
+    """The same method offline (the server's defaults: tree 8 + prompt lookup, eager, same cache size)."""
     target = glance_rt.load_target(tiny[0])
     dec = glance_rt.Decoder(target, glance_rt.load_drafter(tiny[1], target), max_length=MAX_LENGTH)
 
