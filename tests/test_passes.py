@@ -103,6 +103,47 @@ def test_static_draft_pass_equals_eager(arch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_lookup_rounds_skip_the_draft_and_leave_its_context_whole(arch, monkeypatch):
+    """Rounds whose lookup chain fills the budget (a long match) run no draft pass; the rows they
+    commit wait as drafter context, and the next draft pass projects them all (more than R rows:
+    context chunks on static passes). The draft logits of every drafted round equal the eager
+    pass's, and the tokens stay HF greedy's."""
+    import glance_rt.round.loop as dm
+
+    target, _, inputs, ref = case(arch)
+    p = inputs["input_ids"].shape[1]
+
+    def lookup(history, max_ngram, length):  # a true 8-token match for the first 16 tokens, then none
+        done = len(history) - p
+        return (max_ngram, ref[done : done + length]) if done < 16 else (0, [])
+
+    monkeypatch.setattr(dm, "lookup_match", lookup)
+    drafter = glance_rt.init_drafter(target, num_layers=2, block_size=4, seed=4)
+    seen = {"eager": [], "static": []}
+    oracle = OracleDrafter(p, ref, target.vocab_size, 4, decoy=True)
+    kw = {"tree_budget": 6, "lookup": 8, "max_length": 256, "gate": False}  # a 6-row chain fills budget 6
+    eager = glance_rt.Decoder(target, drafter, **kw)
+    real = eager.passes.draft
+
+    def spy_eager(*a):
+        seen["eager"].append(real(*a))
+        return oracle(None, 0, a[2], a[3])
+
+    eager.passes.draft = spy_eager
+    res = eager.generate(max_new_tokens=NEW, **inputs)
+    assert res.token_ids == ref
+    s = res.stats
+    assert s.accepted_lengths[:3] == [7, 7, 7] and s.lookup_rounds == 3  # 1 + 7 + 7 < 16 <= 1 + 21
+    assert s.draft_passes == s.rounds - 3 == len(seen["eager"]) > 0 and s.tau > 1
+    oracle.rng = OracleDrafter(p, ref, target.vocab_size, 4, decoy=True).rng
+    static = static_decoder(target, drafter, chunk=3, oracle=oracle, spy=seen["static"], **kw)
+    assert static.generate(max_new_tokens=NEW, **inputs).token_ids == ref
+    assert len(seen["eager"]) == len(seen["static"])
+    for a, b in zip(seen["eager"], seen["static"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def test_static_passes_refuse_protocol_drafters_and_bad_backends():
     target, _, inputs, ref = case("llama")
     oracle = OracleDrafter(inputs["input_ids"].shape[1], ref, target.vocab_size, 4)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from glance_rt.errors import GlanceError
 from glance_rt.round.commit import accept, accept_path, apply_stops, committed_tokens
-from glance_rt.round.tree import build_tree, check_budget, lookup_rows, prompt_lookup
+from glance_rt.round.tree import build_tree, check_budget, fills_budget, lookup_rows, lookup_tree, prompt_lookup
 
 
 def target_next(prefix: tuple, vocab: int) -> int:
@@ -93,6 +93,32 @@ def test_lookup_chain_is_grafted_and_lossless(logits, budget, seed, right, ngram
     real = [i for i in range(1, tree.size) if i == 1 or not (tree.tokens[i] == tree.tokens[1] and tree.parent[i] == 0)]
     assert len({row_prefix(tree, i) for i in real}) == len(real)  # no prefix twice (padding aside)
     assert len(path) - 1 >= min(right, n)  # the grafted greedy tokens are accepted
+
+
+@settings(max_examples=300, deadline=None)
+@given(logits=logits_strategy, budget=st.integers(1, 16), ngram=st.integers(1, 8), length=st.integers(0, 16),
+       seed=st.integers(0, 10_000))
+def test_a_chain_that_fills_the_budget_is_the_whole_tree(logits, budget, ngram, length, seed):
+    """Where the lookup chain takes every row (`fills_budget`), `build_tree` makes the same tree from any
+    draft logits as `lookup_tree` makes without them (so the round may skip its draft pass)."""
+    draft = torch.tensor(logits)
+    depth, vocab = draft.shape
+    chain = [int(t) for t in np.random.default_rng(seed).integers(0, vocab, size=length)]
+    tree = build_tree(draft, 0, budget, lookup=(ngram, chain))
+    full = fills_budget(depth + 1, budget, (ngram, chain))
+    assert full == (length >= budget and lookup_rows(depth + 1, budget, ngram) >= budget)
+    if full:
+        alone = lookup_tree(0, budget, chain)
+        for a in ("tokens", "parent", "depth", "mask"):
+            np.testing.assert_array_equal(getattr(tree, a), getattr(alone, a))
+
+
+def test_fills_budget_needs_a_long_match_and_chain():
+    assert fills_budget(8, 8, (5, list(range(8)))) and fills_budget(8, 8, (8, list(range(20))))
+    assert not fills_budget(8, 8, (4, list(range(8))))  # a 4-token match takes 6 of 8 rows
+    assert not fills_budget(8, 8, (8, list(range(7))))  # the history ends 7 tokens after the match
+    assert not fills_budget(8, 16, (8, list(range(16))))  # max_depth(8) = 15 rows at most
+    assert not fills_budget(8, 0, (8, [1])) and not fills_budget(8, 8, (0, list(range(8))))
 
 
 @settings(max_examples=300, deadline=None)

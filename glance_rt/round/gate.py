@@ -18,6 +18,9 @@ median recent wall times of each kind of round. Both kinds of round commit exact
 tokens (greedy, or the keyed sampling draws of `glance_rt.round.sample`), so the gate changes speed,
 never output.
 
+Rounds whose prompt-lookup chain fills the whole tree (`glance_rt.round.tree.fills_budget`) skip the
+draft pass without asking the gate (they cost a verify pass alone) and are not recorded here.
+
 It learns as it runs: the first `min_drafted` rounds draft and the next `min_steps` take
 autoregressive steps, to measure (a decoder's `warmup` pays for part of it); after `explore`
 autoregressive steps in a row one round drafts, so the model keeps seeing where drafting stands

@@ -21,7 +21,7 @@ from glance_rt.round.adaptive import AdaptiveBudget
 from glance_rt.round.commit import apply_stops, committed_tokens
 from glance_rt.round.gate import DraftGate, GateConfig
 from glance_rt.round.sample import GREEDY, Chooser, Sampling, stop_criteria, walk
-from glance_rt.round.tree import build_tree, check_budget, lookup_match, max_depth
+from glance_rt.round.tree import build_tree, check_budget, fills_budget, lookup_match, lookup_tree, max_depth
 from glance_rt.round.verify import Backend, named_backend, round_modules
 
 PHASES = ("prefill", "draft", "tree", "verify", "commit")
@@ -35,6 +35,7 @@ class Stats:
     budgets: list[int] = field(default_factory=list)  # tree budget used in each round (0: an autoregressive step)
     round_seconds: list[float] = field(default_factory=list)  # wall time of each round
     draft_passes: int = 0
+    lookup_rounds: int = 0  # tree rounds whose prompt-lookup chain filled the budget (no draft pass)
     rounds: int = 0
     prompt_tokens: int = 0
     timings: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
@@ -46,12 +47,13 @@ class Stats:
 
     @property
     def drafted(self) -> list[int]:
-        """The indices of the drafted rounds (of every round where none drafted: autoregression)."""
-        return [i for i, b in enumerate(self.budgets) if b > 0 or not self.draft_passes]
+        """The indices of the tree rounds, drafted or looked up (of every round where none had a tree:
+        autoregression)."""
+        return [i for i, b in enumerate(self.budgets) if b > 0 or not (self.draft_passes or self.lookup_rounds)]
 
     @property
     def tau(self) -> float:
-        """Tokens committed per drafted round (per round where none drafted): what a drafter achieves."""
+        """Tokens committed per tree round (per round where none had a tree): what drafter and lookup achieve."""
         lengths = [self.accepted_lengths[i] for i in self.drafted]
         return sum(lengths) / max(len(lengths), 1)
 
@@ -101,9 +103,11 @@ class Decoder:
 
     `lookup` > 0 grafts a prompt-lookup chain into every tree: the tokens that followed the latest
     earlier occurrence of the context's last n-gram (n <= lookup), in the prompt or the output so far
-    (at most `max_depth` = 2B-1 tokens and three quarters of the budget: `glance_rt.round.tree`'s
-    `lookup_rows` and `prompt_lookup`). 0: the drafter alone; None (default): `DEFAULT_LOOKUP` on a
-    drafter's trees, 0 for chains and autoregression.
+    (at most `max_depth` = 2B-1 tokens, and a share of the budget that grows with the match's length:
+    `glance_rt.round.tree`'s `lookup_rows` and `prompt_lookup`). A round whose chain fills the whole
+    budget (a match of 5 or more tokens) runs no draft pass: its tree is the chain, whatever the
+    drafter would say (`Stats.lookup_rounds`). 0: the drafter alone; None (default): `DEFAULT_LOOKUP`
+    on a drafter's trees, 0 for chains and autoregression.
 
     `backend` says how the passes run: "eager" (exact lengths, the reference), "compile" (the round's
     fixed-shape passes, `glance_rt.round.verify.StaticGraphs`, under `torch.compile(fullgraph=True)`,
@@ -157,6 +161,7 @@ class Decoder:
         self.gate = None
         if drafter is not None and gate is not False:
             self.gate = DraftGate(gate if isinstance(gate, GateConfig) else GateConfig())
+        self.block = block
         self.pending_rows = max_depth(block) + 1  # drafter-context rows a skipped draft may leave pending
         verify_rows = tuple(b + 1 for b in self.budgets)
         self.verifier, self.drafter = round_modules(target, drafter, max_length, verify_rows, kernels)
@@ -307,17 +312,24 @@ class Decoder:
             budget = self.tree_budget if self.policy is None else self.policy.choose(prior)
             # the lookup chain over prompt + committed tokens, and the size of the n-gram it matched
             ngram, chain = lookup_match(ids.numpy(), self.lookup, budget) if self.lookup else (0, [])
-            drafted = self.drafter is not None
+            # the round's kind: a lookup chain that fills the budget needs no draft pass (the tree is
+            # the chain whatever the drafter says); else draft, unless the gate takes one AR step
+            looked_up = self.drafter is not None and not self.chain and fills_budget(self.block, budget, (ngram, chain))
+            drafted = self.drafter is not None and not looked_up
             if drafted and self.gate is not None:  # a draft pass projects at most pending_rows context rows
                 drafted = self.gate.draft(prior, ngram, must=ctx_feats.shape[0] >= self.pending_rows)
-            draft_logits = None
-            if drafted:
-                draft_logits = self.passes.draft(ctx_feats, ctx_start, bonus, block_start)  # [B-1, V]
-                stats.draft_passes += 1
-                clock.lap("draft")
+            if looked_up:
+                tree = lookup_tree(bonus, budget, chain)
+                stats.lookup_rounds += 1
             else:
-                budget, chain = 0, []  # one autoregressive step: the root alone
-            tree = build_tree(draft_logits, bonus, budget, self.chain, self.draft_vocab, (ngram, chain))
+                draft_logits = None
+                if drafted:
+                    draft_logits = self.passes.draft(ctx_feats, ctx_start, bonus, block_start)  # [B-1, V]
+                    stats.draft_passes += 1
+                    clock.lap("draft")
+                else:
+                    budget, chain = 0, []  # one autoregressive step: the root alone
+                tree = build_tree(draft_logits, bonus, budget, self.chain, self.draft_vocab, (ngram, chain))
             tokens = torch.from_numpy(tree.tokens).to(dev)
             mask = torch.from_numpy(tree.mask).to(dev)
             index = torch.from_numpy(tree.depth).to(dev) + block_start
@@ -351,7 +363,7 @@ class Decoder:
             clock.lap("commit")
             seconds = time.perf_counter() - round_start
             stats.round_seconds.append(seconds)
-            if self.gate is not None:
+            if self.gate is not None and not looked_up:  # the gate weighs drafted rounds against AR steps
                 self.gate.record(drafted, round_prior, ngram, len(run), seconds)
             yield kept
 

@@ -8,7 +8,9 @@ A chain (DFlash) is the width-1 tree: the top-1 token at every depth.
 
 Prompt lookup (optional): the tokens that followed the latest earlier occurrence of the context's
 last n-gram (n <= max_ngram) form a chain that is grafted first (nodes 1..L); best-first then
-shares those nodes where its prefixes coincide with them and fills the rest of the budget.
+shares those nodes where its prefixes coincide with them and fills the rest of the budget. A chain
+that takes the whole budget (a long match) leaves the drafter nothing to fill: that round's tree is
+the chain alone (`lookup_tree`), and the round loop skips its draft pass.
 """
 
 import heapq
@@ -81,6 +83,21 @@ def lookup_rows(block_size: int, budget: int, ngram: int) -> int:
     else:
         rows = budget - budget // 4
     return min(max_depth(block_size), rows)
+
+
+def fills_budget(block_size: int, budget: int, lookup: tuple[int, list[int]]) -> bool:
+    """Whether a prompt-lookup match (n, chain) takes every row of a tree of `budget` nodes: then the
+    drafter's candidates would get none, and the round needs no draft pass (`lookup_tree`)."""
+    ngram, chain = lookup
+    return budget > 0 and ngram > 0 and len(chain) >= budget and lookup_rows(block_size, budget, ngram) >= budget
+
+
+def lookup_tree(root: int, budget: int, chain: list[int]) -> Tree:
+    """The tree of a round whose lookup chain fills the budget (`fills_budget`): root -> chain[0] ->
+    ... -> chain[budget-1], the same tree `build_tree` makes from any draft logits for that match."""
+    tokens, parent, depth = [root], [-1], [0]
+    graft(tokens, parent, depth, list(chain)[:budget])
+    return _pack(tokens, parent, depth, budget + 1)
 
 
 def graft(tokens: list, parent: list, depth: list, chain: list[int]) -> dict:

@@ -56,6 +56,7 @@ class Record:
     root_entropy: list = field(default_factory=list)  # of the same rounds
     timings: dict = field(default_factory=dict)
     draft_passes: int = 0
+    lookup_rounds: int = 0  # tree rounds of a lookup chain alone (no draft pass)
     rounds: int = 0  # all rounds, the draft gate's autoregressive steps included
     peak_mem_mb: float | None = None
 
@@ -266,6 +267,7 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
                     rec.accepted_lengths = [stats.accepted_lengths[i] for i in stats.drafted]
                     rec.root_entropy = [stats.root_entropy[i] for i in stats.drafted]
                     rec.timings, rec.draft_passes, rec.rounds = dict(stats.timings), stats.draft_passes, stats.rounds
+                    rec.lookup_rounds = stats.lookup_rounds
                 records.append(rec)
                 bar.update(1)
     except KeyboardInterrupt:
@@ -340,6 +342,7 @@ def method_summary(records: list[Record], method: str, kind: str | None = None) 
         "tau": float(np.mean(lens)) if lens else None,
         "tau_hist": hist,
         "draft_passes_per_round": (sum(r.draft_passes for r in rs) / all_rounds) if all_rounds else None,
+        "lookup_rounds_per_round": (sum(r.lookup_rounds for r in rs) / all_rounds) if all_rounds else None,
         "phase_seconds": timings,
         "ttft": _quartiles([r.ttft for r in rs]),
         "peak_mem_mb": max((r.peak_mem_mb or 0.0) for r in rs) if rs else None,
@@ -412,11 +415,13 @@ def markdown(report: dict) -> str:
     if report["mismatches"]:
         lines += [f"**{len(report['mismatches'])} OUTPUT MISMATCH(ES) vs {report['reference']}:** "
                   f"{report['mismatches']}", ""]
-    lines += ["| method | tok/s | × same-engine AR | × HF generate | × its eager method | τ | draft passes/round | "
+    lines += ["| method | tok/s | × same-engine AR | × HF generate | × its eager method | τ | "
+              "draft passes / lookup rounds per round | "
               "TTFT s | mismatches |", "|---|---|---|---|---|---|---|---|---|"]
     for m, s in report["overall"].items():
         tau = f"{s['tau']:.2f}" if s["tau"] is not None else "–"
-        dpr = f"{s['draft_passes_per_round']:.2f}" if s["draft_passes_per_round"] is not None else "–"
+        dpr = "–" if s["draft_passes_per_round"] is None else (
+            f"{s['draft_passes_per_round']:.2f} / {s.get('lookup_rounds_per_round') or 0.0:.2f}")
         eager = _fmt(s["speedup_vs_eager"]) if s.get("speedup_vs_eager") else "–"
         lines.append(f"| {m} | {_fmt(s['tok_s'])} | {_fmt(s['speedup_vs_ar'])} | {_fmt(s['speedup_vs_hf'])} | "
                      f"{eager} | {tau} | {dpr} | {_fmt(s['ttft'])} | {s['mismatches']} |")
