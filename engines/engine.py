@@ -20,6 +20,7 @@ from glance_rt.export.manifest import (
     write_manifest,
 )
 from glance_rt.hf.target import load_target
+from glance_rt.method import DEFAULT_LOOKUP_BUDGET
 from glance_rt.models.drafter import load_drafter
 from glance_rt.models.kernels import PREFILL_ROWS, KernelTuner, cpu_model, machine
 from glance_rt.models.linear import can_pack
@@ -194,9 +195,12 @@ def engine_backend(path, m: dict) -> Backend:
     return Backend(m["backend"], passes, prefill_inputs=vision, prepack=False)
 
 
-def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int | None = None, gate=None):
+def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int | None = None, gate=None,
+                lookup_budget: int | None = None):
     """A `cls` (Decoder) whose passes run the engine in `path`. The draft gate (`gate` None: where
-    it can run) needs the one-row verify graph that `--tree-budget 0` builds."""
+    it can run) needs the one-row verify graph that `--tree-budget 0` builds. Lookup rounds verify
+    `lookup_budget` rows where the engine has that bucket (None: the default's where built with it,
+    `--tree-budget 0,8,15`; else the tree's budget)."""
     path = Path(path)
     m = read_manifest(path)
     if (warning := check_machine(path, m)) is not None:
@@ -215,5 +219,14 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
             raise GlanceError(f"engine {path} has no one-row verify graph (tree budgets {budgets}), which the draft "
                               "gate runs: rebuild with `--tree-budget 0` added, or pass gate=False")
         gate = False
+    if drafter is not None and not m["chain"] and lookup != 0:
+        asked = [b.budget for b in tree_budget.buckets] if isinstance(tree_budget, AdaptiveBudget) else [tree_budget]
+        rows = min(DEFAULT_LOOKUP_BUDGET, max_depth(drafter.block_size)) if lookup_budget is None else lookup_budget
+        if rows > min(asked) and rows not in budgets:
+            if lookup_budget is not None:
+                raise GlanceError(f"engine {path} has tree budgets {budgets}; lookup rounds of {rows} rows asked. "
+                                  f"Rebuild with `glance-rt build-engine --tree-budget ...,{rows}` or leave it unset")
+            rows = max(asked)  # lookup rounds at the tree's shape
+        lookup_budget = rows
     return cls(target, drafter, tree_budget=tree_budget, chain=m["chain"], max_length=m["max_len"],
-               backend=engine_backend(path, m), lookup=lookup, gate=gate)
+               backend=engine_backend(path, m), lookup=lookup, gate=gate, lookup_budget=lookup_budget)

@@ -8,7 +8,7 @@ import time
 import click
 
 from glance_rt.errors import GlanceError
-from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_TREE_BUDGET, Method, job_max_length
+from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_LOOKUP_BUDGET, DEFAULT_TREE_BUDGET, Method, job_max_length
 
 # options shared by several commands
 TARGET = click.option("--target", "target_path", type=click.Path(), default=None,
@@ -26,12 +26,12 @@ def method_options(command):
     `--methods`): they become one `glance_rt.method.Method` with the Python API's defaults."""
 
     @functools.wraps(command)
-    def wrapper(*args, tree_budget, chain, lookup, backend, engine_dir, always_draft, **kw):
+    def wrapper(*args, tree_budget, chain, lookup, lookup_budget, backend, engine_dir, always_draft, **kw):
         try:
             if tree_budget is None and engine_dir is None:
                 tree_budget = DEFAULT_TREE_BUDGET
             method = Method(kind="chain" if chain else "tree", tree_budget=tree_budget, lookup=lookup,
-                            backend=backend, engine=engine_dir, gate=not always_draft)
+                            backend=backend, engine=engine_dir, gate=not always_draft, lookup_budget=lookup_budget)
         except GlanceError as e:
             raise click.ClickException(str(e)) from e
         return command(*args, method=method, **kw)
@@ -43,6 +43,10 @@ def method_options(command):
         click.option("--lookup", default=None, type=int,
                      help=f"Graft a prompt-lookup chain (n-grams up to N) into each tree; 0: the drafter alone "
                           f"(default: {DEFAULT_LOOKUP} on a drafter's trees, none for chains and autoregression)."),
+        click.option("--lookup-budget", default=None, type=int,
+                     help=f"Rows a round whose lookup chain fills the tree verifies (the chain alone, no draft "
+                          f"pass; default: {DEFAULT_LOOKUP_BUDGET} within the drafter's 2B-1; an engine needs "
+                          "that budget bucket)."),
         click.option("--backend", default="eager", show_default=True, type=click.Choice(["eager", "compile"]),
                      help="compile: fixed-shape passes under torch.compile (CUDA graphs on a GPU)."),
         click.option("--engine", "engine_dir", type=click.Path(), default=None,
@@ -431,8 +435,8 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, me
 @click.option("--per-kind", default=4, show_default=True, type=int, help="At most N prompts of each kind.")
 @SUITE_IMAGES
 @click.option("--methods", default="ar,chain,tree-8,tree-16,tree-32,tree-64,adaptive,hf,hf-lookup", show_default=True,
-              help="Comma-separated: ar, chain, tree-N, tree-N+lookup, adaptive (each optionally @compile, or "
-                   "@plain: eager without prepacked weights), hf, hf-lookup.")
+              help="Comma-separated: ar, chain, tree-N, tree-N+lookup, tree-N+lookup-L (lookup rounds of L rows), "
+                   "adaptive (each optionally @compile, or @plain: eager without prepacked weights), hf, hf-lookup.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--warmup", default=1, show_default=True, type=int, help="Prompts run untimed first.")
 @DTYPE

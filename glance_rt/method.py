@@ -15,6 +15,7 @@ from glance_rt.errors import GlanceError
 
 DEFAULT_TREE_BUDGET = 8  # draft nodes verified per round
 DEFAULT_LOOKUP = 8  # largest n-gram a prompt-lookup chain matches (on a drafter's trees)
+DEFAULT_LOOKUP_BUDGET = 15  # rows a round of a long lookup match verifies, no draft pass (at most max_depth)
 DEFAULT_MAX_LENGTH = 2048  # a Decoder's static cache rows when nothing sizes it to a job
 MAX_SCRATCH_BLOCK = 64  # a round's scratch holds the drafter's block: at most MAX_BLOCK_SIZE rows
 KINDS = ("ar", "chain", "tree", "adaptive")
@@ -30,7 +31,9 @@ class Method:
     applies, 0: none). `backend`: eager, compile or plain. `engine`: a built engine's folder (its
     manifest fixes the budget buckets, chain and shapes; the backend is the engine's; `tree_budget`
     None: its largest bucket). `gate`: a drafter's rounds pass the draft gate (`glance_rt.round.gate`;
-    False, `+always` in a name: draft every round)."""
+    False, `+always` in a name: draft every round). `lookup_budget`: rows a round whose lookup chain
+    fills the tree verifies, the chain alone, no draft pass (None: `DEFAULT_LOOKUP_BUDGET` within the
+    drafter's `max_depth`; `+lookup-L` in a name)."""
 
     kind: str = "tree"
     tree_budget: int | None = DEFAULT_TREE_BUDGET
@@ -38,6 +41,7 @@ class Method:
     backend: str = "eager"
     engine: str | None = None
     gate: bool = True
+    lookup_budget: int | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -50,9 +54,9 @@ class Method:
 
     @classmethod
     def parse(cls, text: str) -> "Method":
-        """`ar`, `chain`, `tree-N`, `tree-N+lookup` or `adaptive`, each optionally `+always` (no
-        draft gate) and `@compile` or `@plain` (`tree-8+lookup@compile`). A bare `tree-N` drafts with
-        the drafter alone."""
+        """`ar`, `chain`, `tree-N`, `tree-N+lookup`, `tree-N+lookup-L` (lookup rounds of L rows) or
+        `adaptive`, each optionally `+always` (no draft gate) and `@compile` or `@plain`
+        (`tree-8+lookup@compile`). A bare `tree-N` drafts with the drafter alone."""
         base, at, backend = text.strip().partition("@")
         backend = backend if at else "eager"
         if backend not in BACKENDS:
@@ -62,18 +66,21 @@ class Method:
         if base in ("ar", "chain", "adaptive"):
             return cls(kind=base, lookup=0, backend=backend, gate=not always)
         tree, plus, extra = base.partition("+")
-        if tree.startswith("tree-") and tree[5:].isdigit() and (plus, extra) in (("", ""), ("+", "lookup")):
+        extra, dash, rows = extra.partition("-")
+        lookup_budget = int(rows) if dash and extra == "lookup" and rows.isdigit() else None
+        if (tree.startswith("tree-") and tree[5:].isdigit() and (plus, extra) in (("", ""), ("+", "lookup"))
+                and (not dash or lookup_budget is not None)):
             return cls(tree_budget=int(tree[5:]), lookup=DEFAULT_LOOKUP if extra else 0, backend=backend,
-                       gate=not always)
-        raise GlanceError(f"unknown method {text!r}: use ar, chain, tree-N, tree-N+lookup or adaptive, each "
-                          "optionally +always (draft every round) and @compile or @plain")
+                       gate=not always, lookup_budget=lookup_budget)
+        raise GlanceError(f"unknown method {text!r}: use ar, chain, tree-N, tree-N+lookup, tree-N+lookup-L or "
+                          "adaptive, each optionally +always (draft every round) and @compile or @plain")
 
     @property
     def name(self) -> str:
         """The name `parse` reads back (engines: `…@engine:FOLDER`)."""
         base = f"tree-{self.tree_budget}" if self.kind == "tree" and self.tree_budget is not None else self.kind
         if self.kind == "tree" and self.lookup != 0:
-            base += "+lookup"
+            base += "+lookup" if self.lookup_budget is None else f"+lookup-{self.lookup_budget}"
         if self.kind != "ar" and not self.gate:
             base += "+always"
         if self.engine is not None:

@@ -18,6 +18,9 @@ on 2..6 tokens 6 rows, on 7 or more 8 rows (the last value holds for every longe
 
     python scripts/lookup_study.py caps 8:6:8,8:2-6:8,8:6-6-6-6-6-6-8:8 20
 
+A fourth number is the rows a round whose chain fills the tree verifies (`Decoder(lookup_budget=...)`,
+default `DEFAULT_LOOKUP_BUDGET` within max_depth): `8:2-6-6-6-8:8:8` against `8:2-6-6-6-8:8:15`.
+
 This experiment swaps `glance_rt.round.tree.lookup_rows` (the one rule the decoder asks) for each
 pair; the library's rule is what the measurements chose. Tau does not depend on timing, so this may
 run beside other work.
@@ -75,17 +78,19 @@ def capped_tau(specs: list[str], per_kind: int, drafter_dir: str | None = None) 
     drafter = glance_rt.load_drafter(drafter_dir, target)
     rows = heldout_rows(read_prompts(default_corpus_path()), per_kind)
     for spec in specs:
-        budget, cap, ngram = (spec + ":3").split(":")[:3]
-        budget, ngram = int(budget), int(ngram)
+        budget, cap, *rest = spec.split(":")  # BUDGET:CAP[:NGRAM[:ROWS]]
+        budget, ngram, rounds = int(budget), int(rest[0]) if rest else 3, int(rest[1]) if len(rest) > 1 else None
         tree.lookup_rows = cap_rule(cap)  # this experiment's rule (see the docstring)
-        dec = glance_rt.Decoder(target, drafter, tree_budget=budget, lookup=ngram, gate=False)  # tau of every round
+        dec = glance_rt.Decoder(target, drafter, tree_budget=budget, lookup=ngram, gate=False,  # tau of every round
+                                lookup_budget=rounds)
         by_kind, start = collections.defaultdict(list), time.perf_counter()
         for r in rows:
             out = dec.generate(max_new_tokens=128, **target.encode_chat(r["prompt"]))
             by_kind[r["kind"]] += out.stats.accepted_lengths
         every = [n for v in by_kind.values() for n in v]
         kinds = " ".join(f"{k} {np.mean(v):.2f}" for k, v in by_kind.items())
-        print(f"budget {budget} cap {cap} ngram {ngram}: tau {np.mean(every):.3f} ({kinds}; {len(rows)} prompts, "
+        print(f"budget {budget} cap {cap} ngram {ngram} lookup rounds {dec.lookup_budget}: "
+              f"tau {np.mean(every):.3f} ({kinds}; {len(rows)} prompts, "
               f"{time.perf_counter() - start:.0f} s)", flush=True)
 
 

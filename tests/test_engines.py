@@ -108,6 +108,10 @@ def test_engine_refuses_what_it_was_not_built_for(llama_engine, tmp_path):
         glance_rt.Decoder.from_engine(llama_engine, target, drafter_for(target), tree_budget=32)
     with pytest.raises(glance_rt.GlanceError, match="no one-row verify graph"):  # built without --tree-budget 0
         glance_rt.Decoder.from_engine(llama_engine, target, drafter_for(target), gate=True)
+    with pytest.raises(glance_rt.GlanceError, match="lookup rounds of 7 rows"):  # no 7-row verify graph
+        glance_rt.Decoder.from_engine(llama_engine, target, drafter_for(target), tree_budget=6, lookup_budget=7)
+    dec = glance_rt.Decoder.from_engine(llama_engine, target, drafter_for(target), tree_budget=6)
+    assert dec.lookup_budget == 6 and dec.budgets == [6]  # lookup rounds at the tree's shape
     ungated = glance_rt.Decoder.from_engine(llama_engine, target, drafter_for(target))
     assert ungated.gate is None and ungated.method_name == "tree-12+lookup+always@aoti"
     copy = tmp_path / "copy"
@@ -176,4 +180,6 @@ def test_cli_build_engine_then_generate(tmp_path_factory, tmp_path):
         assert result.exit_code == 0, result.output
         report = json.loads((tmp_path / "a.json").read_text())
         assert report["exact"] == report["total"] == 2 and report["backend"] == "aoti"
-        assert report["tree_budget"] == int(budget) and report["method"] == f"tree-{budget}+lookup@aoti"
+        # lookup rounds at budget 4 verify the tree's 4 rows (no 7-row bucket built), at 8 max_depth(4) = 7
+        lookup = "+lookup-4" if budget == "4" else "+lookup"
+        assert report["tree_budget"] == int(budget) and report["method"] == f"tree-{budget}{lookup}@aoti"

@@ -15,6 +15,8 @@ from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_TREE_BUDGET, Method, job_ma
     ("tree-16", Method(tree_budget=16, lookup=0)),
     ("tree-8+lookup@plain", Method(tree_budget=8, lookup=DEFAULT_LOOKUP, backend="plain")),
     ("adaptive@compile", Method(kind="adaptive", lookup=0, backend="compile")),
+    ("tree-8+lookup-15+always@compile", Method(tree_budget=8, lookup=DEFAULT_LOOKUP, backend="compile", gate=False,
+                                               lookup_budget=15)),
 ])
 def test_parse_and_name_round_trip(text, want):
     assert Method.parse(text) == want
@@ -22,7 +24,8 @@ def test_parse_and_name_round_trip(text, want):
     assert Method.parse(want.name) == want
 
 
-@pytest.mark.parametrize("text", ["tree", "tree-x", "tree-8+lookahead", "chain@tensorrt", "beam-4", "tree-8@"])
+@pytest.mark.parametrize("text", ["tree", "tree-x", "tree-8+lookahead", "chain@tensorrt", "beam-4", "tree-8@",
+                                  "tree-8+lookup-", "tree-8+lookup-x", "tree-8-15"])
 def test_unknown_methods_are_refused(text):
     with pytest.raises(glance_rt.GlanceError, match="method|backend"):
         Method.parse(text)
@@ -42,6 +45,7 @@ def test_api_cli_and_method_share_defaults():
     for command in (generate, audit):
         opts = {p.name: p for p in command.params}
         assert opts["tree_budget"].default is None and opts["lookup"].default is None  # -> the defaults above
+        assert opts["lookup_budget"].default is None and params["lookup_budget"].default is None
         assert opts["backend"].default == default.backend and opts["max_length"].default is None
 
 
@@ -58,7 +62,7 @@ def test_default_lookup_applies_to_drafter_trees_only():
     dec = glance_rt.Decoder.from_method(Method.parse("tree-6+lookup"), target, drafter, max_length=128)
     assert (dec.tree_budget, dec.lookup, dec.chain, dec.backend.name) == (6, DEFAULT_LOOKUP, False, "eager")
     # a decoder names what it runs as Method.parse reads it
-    for name in ("ar", "chain", "tree-6", "tree-6+lookup", "tree-6+lookup@plain", "ar@plain"):
+    for name in ("ar", "chain", "tree-6", "tree-6+lookup", "tree-6+lookup-6", "tree-6+lookup@plain", "ar@plain"):
         assert glance_rt.Decoder.from_method(Method.parse(name), target, drafter, max_length=128).method_name == name
     assert glance_rt.Decoder.from_method(Method.parse("ar"), target, drafter, max_length=128).drafter is None
     assert not glance_rt.Decoder.from_method(Method.parse("tree-6@plain"), target, drafter, max_length=128).prepack
@@ -73,3 +77,22 @@ def test_job_max_length():
     assert job_max_length(100, 128, [8]) == 320
     assert job_max_length(100, 128, [100]) == 384  # the largest tree's 101 rows
     assert job_max_length(1, 1) == 128
+
+
+def test_lookup_budget_is_a_verify_shape_within_max_depth():
+    """Lookup rounds verify `lookup_budget` rows (default DEFAULT_LOOKUP_BUDGET within max_depth = 2B-1),
+    one more verify shape where it is more than the tree's; a budget past max_depth, or one without
+    lookup, is refused."""
+    from glance_rt.method import DEFAULT_LOOKUP_BUDGET
+    from tests.conftest import tiny_target
+
+    target, _, _ = tiny_target("llama")
+    drafter = glance_rt.init_drafter(target, block_size=4)
+    assert DEFAULT_LOOKUP_BUDGET >= 7
+    assert glance_rt.Decoder(target, drafter, tree_budget=6, max_length=128).budgets == [0, 6, 7]
+    assert glance_rt.Decoder(target, drafter, tree_budget=6, lookup_budget=6, max_length=128).budgets == [0, 6]
+    assert glance_rt.Decoder(target, drafter, tree_budget=8, max_length=128).budgets == [0, 8]
+    assert glance_rt.Decoder(target, drafter, tree_budget=2, lookup_budget=3, max_length=128).budgets == [0, 2, 3]
+    for kw in ({"lookup_budget": 8}, {"lookup_budget": 0}, {"lookup": 0, "lookup_budget": 5}):
+        with pytest.raises(glance_rt.GlanceError, match="lookup_budget"):
+            glance_rt.Decoder(target, drafter, max_length=128, **kw)

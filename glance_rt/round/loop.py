@@ -14,7 +14,7 @@ from torch import Tensor
 
 from glance_rt.engines.engine import load_engine
 from glance_rt.errors import GlanceError
-from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_MAX_LENGTH, DEFAULT_TREE_BUDGET, Method
+from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_LOOKUP_BUDGET, DEFAULT_MAX_LENGTH, DEFAULT_TREE_BUDGET, Method
 from glance_rt.models.kernels import KernelTuner, kernel_summary
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
@@ -106,8 +106,10 @@ class Decoder:
     (at most `max_depth` = 2B-1 tokens, and a share of the budget that grows with the match's length:
     `glance_rt.round.tree`'s `lookup_rows` and `prompt_lookup`). A round whose chain fills the whole
     budget (a match of 5 or more tokens) runs no draft pass: its tree is the chain, whatever the
-    drafter would say (`Stats.lookup_rounds`). 0: the drafter alone; None (default): `DEFAULT_LOOKUP`
-    on a drafter's trees, 0 for chains and autoregression.
+    drafter would say (`Stats.lookup_rounds`), and it verifies `lookup_budget` rows of it where that
+    is more than the tree's (one more verify shape; None: `DEFAULT_LOOKUP_BUDGET` within `max_depth`).
+    0: the drafter alone; None (default): `DEFAULT_LOOKUP` on a drafter's trees, 0 for chains and
+    autoregression.
 
     `backend` says how the passes run: "eager" (exact lengths, the reference), "compile" (the round's
     fixed-shape passes, `glance_rt.round.verify.StaticGraphs`, under `torch.compile(fullgraph=True)`,
@@ -132,7 +134,7 @@ class Decoder:
     def __init__(self, target, drafter=None, tree_budget=DEFAULT_TREE_BUDGET, chain: bool = False,
                  max_length: int = DEFAULT_MAX_LENGTH, backend: "str | Backend" = "eager", chunk: int = 64,
                  lookup: int | None = None, prepack: "bool | str | KernelTuner" = "auto",
-                 gate: "bool | GateConfig | None" = None):
+                 gate: "bool | GateConfig | None" = None, lookup_budget: int | None = None):
         self.policy = tree_budget if isinstance(tree_budget, AdaptiveBudget) else None
         if self.policy is not None:
             if chain:
@@ -162,6 +164,7 @@ class Decoder:
         if drafter is not None and gate is not False:
             self.gate = DraftGate(gate if isinstance(gate, GateConfig) else GateConfig())
         self.block = block
+        self.lookup_budget = self._lookup_budget(lookup_budget)
         self.pending_rows = max_depth(block) + 1  # drafter-context rows a skipped draft may leave pending
         verify_rows = tuple(b + 1 for b in self.budgets)
         self.verifier, self.drafter = round_modules(target, drafter, max_length, verify_rows, kernels)
@@ -175,13 +178,15 @@ class Decoder:
 
     @classmethod
     def from_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int | None = None,
-                    gate: "bool | GateConfig | None" = None) -> "Decoder":
+                    gate: "bool | GateConfig | None" = None, lookup_budget: int | None = None) -> "Decoder":
         """A Decoder that runs the engine built in `path` (`glance-rt build-engine`). `target` and
         `drafter` default to the ones the engine was built from (any other must match its manifest);
         `tree_budget` defaults to its largest budget bucket, or pass an int or AdaptiveBudget over its
         buckets; `lookup` as in `Decoder` (a host-side choice of tree rows: any engine runs it);
-        `gate` as in `Decoder` (it needs the one-row verify graph of `--tree-budget 0`)."""
-        return load_engine(cls, path, target, drafter, tree_budget, lookup, gate)
+        `gate` as in `Decoder` (it needs the one-row verify graph of `--tree-budget 0`); `lookup_budget`
+        as in `Decoder` where the engine has that budget bucket (None: the default where it has it, else
+        the tree's budget)."""
+        return load_engine(cls, path, target, drafter, tree_budget, lookup, gate, lookup_budget)
 
     @classmethod
     def from_method(cls, method: Method, target, drafter=None, max_length: int | None = None,
@@ -192,14 +197,14 @@ class Decoder:
         drafter = None if method.kind == "ar" else drafter
         if method.engine is not None:
             return cls.from_engine(method.engine, target, drafter, tree_budget=method.tree_budget, lookup=method.lookup,
-                                   gate=None if method.gate else False)
+                                   gate=None if method.gate else False, lookup_budget=method.lookup_budget)
         if method.kind == "adaptive" and policy is None:
             raise GlanceError("an adaptive method needs its calibrated AdaptiveBudget (glance_rt.round.adaptive)")
         plain = method.backend == "plain"  # eager with the HF modules' own linear layers
         return cls(target, drafter, tree_budget=policy if method.kind == "adaptive" else method.tree_budget,
                    chain=method.kind == "chain", lookup=method.lookup, max_length=max_length or DEFAULT_MAX_LENGTH,
                    backend="eager" if plain else method.backend, prepack=False if plain else "auto",
-                   gate=None if method.gate else False)
+                   gate=None if method.gate else False, lookup_budget=method.lookup_budget)
 
     @staticmethod
     def _kernels(prepack, packable: bool):
@@ -232,16 +237,34 @@ class Decoder:
         base = "ar" if self.drafter is None else "chain" if self.chain else f"tree-{self.tree_budget}"
         if self.policy is not None:
             base = "adaptive"
-        base += "+lookup" if self.lookup else ""
+        if self.lookup:
+            default = min(DEFAULT_LOOKUP_BUDGET, max_depth(self.block))
+            base += "+lookup" if self.lookup_budget == default else f"+lookup-{self.lookup_budget}"
         base += "+always" if self.drafter is not None and self.gate is None else ""
         backend = "plain" if self.backend.name == "eager" and self.plain else self.backend.name
         return base if backend == "eager" else f"{base}@{backend}"
 
+    def _lookup_budget(self, rows: int | None) -> int:
+        """The rows a lookup round verifies (0: no lookup rounds)."""
+        if not self.lookup:
+            if rows is not None:
+                raise GlanceError("lookup_budget sizes prompt-lookup rounds: it needs lookup > 0")
+            return 0
+        deepest = max_depth(self.block)
+        if rows is None:
+            return min(DEFAULT_LOOKUP_BUDGET, deepest)
+        if not 1 <= rows <= deepest:
+            raise GlanceError(f"lookup_budget={rows}: a lookup round verifies 1 to max_depth = {deepest} rows of its "
+                              f"chain with a drafter of block {self.block}")
+        return rows
+
     @property
     def budgets(self) -> list[int]:
         """The tree budgets this decoder's rounds may use (one verify shape each; 0: the gate's
-        autoregressive steps)."""
+        autoregressive steps; a lookup round's rows where they exceed the smallest tree's)."""
         drafted = [b.budget for b in self.policy.buckets] if self.policy is not None else [self.tree_budget]
+        if self.lookup_budget > min(drafted) and self.lookup_budget not in drafted:
+            drafted = sorted([*drafted, self.lookup_budget])
         return [0, *drafted] if self.gate is not None else drafted
 
     def warmup(self, prompt: str = "Hello") -> "Decoder":
@@ -311,14 +334,16 @@ class Decoder:
             block_start = n - 1
             budget = self.tree_budget if self.policy is None else self.policy.choose(prior)
             # the lookup chain over prompt + committed tokens, and the size of the n-gram it matched
-            ngram, chain = lookup_match(ids.numpy(), self.lookup, budget) if self.lookup else (0, [])
+            rows = max(budget, self.lookup_budget)  # a lookup round's verify rows
+            ngram, chain = lookup_match(ids.numpy(), self.lookup, rows) if self.lookup else (0, [])
             # the round's kind: a lookup chain that fills the budget needs no draft pass (the tree is
             # the chain whatever the drafter says); else draft, unless the gate takes one AR step
             looked_up = self.drafter is not None and not self.chain and fills_budget(self.block, budget, (ngram, chain))
             drafted = self.drafter is not None and not looked_up
             if drafted and self.gate is not None:  # a draft pass projects at most pending_rows context rows
                 drafted = self.gate.draft(prior, ngram, must=ctx_feats.shape[0] >= self.pending_rows)
-            if looked_up:
+            if looked_up:  # the whole chain: `rows` of it where it runs past the tree's budget
+                budget = rows if len(chain) > budget else budget
                 tree = lookup_tree(bonus, budget, chain)
                 stats.lookup_rounds += 1
             else:
