@@ -68,6 +68,26 @@ def test_aoti_engine_vlm_and_autoregression(arch, flavor, tmp_path):
     assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == ref
 
 
+def test_aoti_engine_runs_lookup_rounds_in_their_bucket(tmp_path, monkeypatch):
+    """An engine built with the lookup rounds' bucket (max_depth(4) = 7 rows beside the tree's 6) runs
+    them there: a long true match (an oracle for the n-gram lookup) commits 8 tokens a round without
+    a draft pass, and the tokens stay HF greedy's."""
+    import glance_rt.round.loop as dm
+
+    target, model, tok = tiny_target("llama")
+    inputs = make_inputs("llama", tok)
+    ref, p = hf_greedy(model, inputs, NEW), inputs["input_ids"].shape[1]
+    build_engine(target, drafter_for(target), tmp_path / "e", budgets=(6, 7), max_len=160, chunk=8, progress=False,
+                 flavor="shared")
+    monkeypatch.setattr(dm, "lookup_match", lambda history, n, length: (n, ref[len(history) - p:][:length]))
+    dec = glance_rt.Decoder.from_engine(tmp_path / "e", target, drafter_for(target), tree_budget=6)
+    assert dec.lookup_budget == 7 and dec.budgets == [6, 7] and dec.method_name == "tree-6+lookup+always@aoti"
+    res = dec.generate(max_new_tokens=NEW, **inputs)
+    assert res.token_ids == ref
+    s = res.stats  # 1 + 8 + 8 tokens, then a chain shorter than the tree: a drafted round
+    assert s.accepted_lengths[:2] == [8, 8] and s.lookup_rounds == 2 and s.draft_passes == s.rounds - 2 == 1
+
+
 def test_aoti_engine_with_graphs_of_both_flavors_is_lossless(tmp_path):
     """Left unset, the flavor is measured per graph: where the timings differ (here, an injected timer
     in which oneDNN wins at the draft block's rows alone) the draft package is frozen and the others
