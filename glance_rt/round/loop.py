@@ -340,7 +340,7 @@ class Decoder:
             # the chain whatever the drafter says); else draft, unless the gate takes one AR step
             looked_up = self.drafter is not None and not self.chain and fills_budget(self.block, budget, (ngram, chain))
             drafted = self.drafter is not None and not looked_up
-            if drafted and self.gate is not None:  # a draft pass projects at most pending_rows context rows
+            if drafted and self.gate is not None:  # a round drafts once pending_rows context rows wait
                 drafted = self.gate.draft(prior, ngram, must=ctx_feats.shape[0] >= self.pending_rows)
             if looked_up:  # the whole chain: `rows` of it where it runs past the tree's budget
                 budget = rows if len(chain) > budget else budget
