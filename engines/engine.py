@@ -20,12 +20,11 @@ from glance_rt.export.manifest import (
     write_manifest,
 )
 from glance_rt.hf.target import load_target
-from glance_rt.method import DEFAULT_LOOKUP_BUDGET
 from glance_rt.models.drafter import load_drafter
 from glance_rt.models.kernels import PREFILL_ROWS, KernelTuner, cpu_model, machine
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
-from glance_rt.round.tree import max_depth
+from glance_rt.round.tree import default_lookup_budget, max_depth
 from glance_rt.round.verify import Backend, static_graphs, static_passes, verify_rows
 
 ENGINE_BACKENDS = ("aoti", "onnxruntime", "tensorrt")
@@ -220,8 +219,7 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
                               "gate runs: rebuild with `--tree-budget 0` added, or pass gate=False")
         gate = False
     if drafter is not None and not m["chain"] and lookup != 0:
-        asked = [b.budget for b in tree_budget.buckets] if isinstance(tree_budget, AdaptiveBudget) else [tree_budget]
-        rows = min(DEFAULT_LOOKUP_BUDGET, max_depth(drafter.block_size)) if lookup_budget is None else lookup_budget
+        rows = default_lookup_budget(drafter.block_size) if lookup_budget is None else lookup_budget
         if rows > min(asked) and rows not in budgets:
             if lookup_budget is not None:
                 raise GlanceError(f"engine {path} has tree budgets {budgets}; lookup rounds of {rows} rows asked. "

@@ -14,14 +14,22 @@ from torch import Tensor
 
 from glance_rt.engines.engine import load_engine
 from glance_rt.errors import GlanceError
-from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_LOOKUP_BUDGET, DEFAULT_MAX_LENGTH, DEFAULT_TREE_BUDGET, Method
+from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_MAX_LENGTH, DEFAULT_TREE_BUDGET, Method
 from glance_rt.models.kernels import KernelTuner, kernel_summary
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
 from glance_rt.round.commit import apply_stops, committed_tokens
 from glance_rt.round.gate import DraftGate, GateConfig
 from glance_rt.round.sample import GREEDY, Chooser, Sampling, stop_criteria, walk
-from glance_rt.round.tree import build_tree, check_budget, fills_budget, lookup_match, lookup_tree, max_depth
+from glance_rt.round.tree import (
+    build_tree,
+    check_budget,
+    default_lookup_budget,
+    fills_budget,
+    lookup_match,
+    lookup_tree,
+    max_depth,
+)
 from glance_rt.round.verify import Backend, named_backend, round_modules
 
 PHASES = ("prefill", "draft", "tree", "verify", "commit")
@@ -238,8 +246,8 @@ class Decoder:
         if self.policy is not None:
             base = "adaptive"
         if self.lookup:
-            default = min(DEFAULT_LOOKUP_BUDGET, max_depth(self.block))
-            base += "+lookup" if self.lookup_budget == default else f"+lookup-{self.lookup_budget}"
+            default = self.lookup_budget == default_lookup_budget(self.block)
+            base += "+lookup" if default else f"+lookup-{self.lookup_budget}"
         base += "+always" if self.drafter is not None and self.gate is None else ""
         backend = "plain" if self.backend.name == "eager" and self.plain else self.backend.name
         return base if backend == "eager" else f"{base}@{backend}"
@@ -250,9 +258,9 @@ class Decoder:
             if rows is not None:
                 raise GlanceError("lookup_budget sizes prompt-lookup rounds: it needs lookup > 0")
             return 0
-        deepest = max_depth(self.block)
         if rows is None:
-            return min(DEFAULT_LOOKUP_BUDGET, deepest)
+            return default_lookup_budget(self.block)
+        deepest = max_depth(self.block)
         if not 1 <= rows <= deepest:
             raise GlanceError(f"lookup_budget={rows}: a lookup round verifies 1 to max_depth = {deepest} rows of its "
                               f"chain with a drafter of block {self.block}")
@@ -337,13 +345,15 @@ class Decoder:
             rows = max(budget, self.lookup_budget)  # a lookup round's verify rows
             ngram, chain = lookup_match(ids.numpy(), self.lookup, rows) if self.lookup else (0, [])
             # the round's kind: a lookup chain that fills the budget needs no draft pass (the tree is
-            # the chain whatever the drafter says); else draft, unless the gate takes one AR step
-            looked_up = self.drafter is not None and not self.chain and fills_budget(self.block, budget, (ngram, chain))
+            # the chain whatever the drafter says); else draft, unless the gate takes one AR step.
+            # (lookup > 0 only on a drafter's trees: chains and autoregression never match)
+            looked_up = fills_budget(self.block, budget, (ngram, chain))
             drafted = self.drafter is not None and not looked_up
             if drafted and self.gate is not None:  # a round drafts once pending_rows context rows wait
                 drafted = self.gate.draft(prior, ngram, must=ctx_feats.shape[0] >= self.pending_rows)
             if looked_up:  # the whole chain: `rows` of it where it runs past the tree's budget
-                budget = rows if len(chain) > budget else budget
+                if len(chain) > budget:
+                    budget = rows
                 tree = lookup_tree(bonus, budget, chain)
                 stats.lookup_rounds += 1
             else:

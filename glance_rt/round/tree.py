@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from glance_rt.errors import GlanceError
+from glance_rt.method import DEFAULT_LOOKUP_BUDGET
 from glance_rt.models.drafter import MAX_BLOCK_SIZE
 
 MAX_TREE_BUDGET = 1024
@@ -83,6 +84,11 @@ def lookup_rows(block_size: int, budget: int, ngram: int) -> int:
     else:
         rows = budget - budget // 4
     return min(max_depth(block_size), rows)
+
+
+def default_lookup_budget(block_size: int) -> int:
+    """The rows a lookup round verifies unless told: `DEFAULT_LOOKUP_BUDGET` within `max_depth`."""
+    return min(DEFAULT_LOOKUP_BUDGET, max_depth(block_size))
 
 
 def fills_budget(block_size: int, budget: int, lookup: tuple[int, list[int]]) -> bool:
