@@ -14,6 +14,7 @@ from glance_rt.export.manifest import (
     FORMAT,
     check_manifest,
     graph_budgets,
+    lookup_buckets,
     read_manifest,
     source,
     versions,
@@ -53,7 +54,7 @@ def _backend(name: str):
 def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chain: bool = False,
                  max_len: int = 1024, chunk: int = 64, target_source=None, drafter_source=None,
                  progress: bool = True, flavor: str | None = None, ort_include=None, image_sizes=(),
-                 tuner: KernelTuner | None = None) -> Path:
+                 tuner: KernelTuner | None = None, lookup_budget: int = 0) -> Path:
     """Build the static graphs of `target` (+ `drafter`) for `backend` into the folder `out`.
     An interrupted build resumes from its finished graphs; the manifest is written last.
     `flavor` (None: the backend's default, the first in FLAVORS): for aoti, "frozen" compiles the
@@ -64,7 +65,9 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     layers both ways on this machine (`choose_flavor`, with `tuner`; recorded in the manifest with
     the CPU model, flavor "mixed" where the graphs differ); tensorrt takes "plugin" alone (its
     TreeAttention plugin runs the Triton kernel) and needs a target on a CUDA GPU. `image_sizes`
-    (onnxruntime and tensorrt, VLM targets): (W, H) image buckets to build vision graphs for."""
+    (onnxruntime and tensorrt, VLM targets): (W, H) image buckets to build vision graphs for.
+    `lookup_budget` > 0 adds the verify graph of lookup rounds of that many rows (the CLI adds the
+    default's, `default_lookup_budget`); `budgets` stay the tree budgets a load picks among."""
     if backend not in FLAVORS:
         raise GlanceError(f"unknown engine backend {backend!r}: choose one of {', '.join(ENGINE_BACKENDS)}")
     if flavor is not None and flavor not in FLAVORS[backend]:
@@ -77,10 +80,12 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     if image_sizes and backend == "aoti":
         raise GlanceError("vision graphs (--image-size) are built for onnxruntime and tensorrt engines; an aoti engine "
                           "runs the vision tower in torch at prefill")
-    budgets = graph_budgets(drafter, budgets, max_len, chunk)
+    tree_budgets = graph_budgets(drafter, budgets, max_len, chunk)
+    budgets = lookup_buckets(drafter, chain, tree_budgets, lookup_budget)
     flavor, graph_flavors, kernels = choose_flavor(backend, flavor, target, drafter, budgets, chain, chunk, tuner)
     out = Path(out)
-    config = {"backend": backend, "budgets": list(budgets), "chain": chain, "max_len": max_len, "chunk": chunk,
+    config = {"backend": backend, "budgets": list(budgets), "tree_budgets": list(tree_budgets),
+              "lookup_budget": lookup_budget or None, "chain": chain, "max_len": max_len, "chunk": chunk,
               "flavor": flavor, "image_sizes": image_sizes}
     if (out / "manifest.json").exists():
         raise GlanceError(f"{out} already holds an engine: pick another --out, or delete it to rebuild")
@@ -99,7 +104,8 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
                               "delete it or pick another --out")
     out.mkdir(parents=True, exist_ok=True)
     if not started.exists():
-        keep = ("backend", "budgets", "chain", "max_len", "chunk", "flavor", "image_sizes", "source", "versions")
+        keep = ("backend", "budgets", "lookup_budget", "chain", "max_len", "chunk", "flavor", "image_sizes", "source",
+                "versions")
         (out / "build.json.tmp").write_text(json.dumps({k: manifest[k] for k in keep}, indent=2))
         (out / "build.json.tmp").replace(started)
     if backend == "onnxruntime":
@@ -196,10 +202,11 @@ def engine_backend(path, m: dict) -> Backend:
 
 def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int | None = None, gate=None,
                 lookup_budget: int | None = None):
-    """A `cls` (Decoder) whose passes run the engine in `path`. The draft gate (`gate` None: where
+    """A `cls` (Decoder) whose passes run the engine in `path`. `tree_budget` None: the largest
+    tree budget it was built for (not its lookup rounds' bucket). The draft gate (`gate` None: where
     it can run) needs the one-row verify graph that `--tree-budget 0` builds. Lookup rounds verify
-    `lookup_budget` rows where the engine has that bucket (None: the default's where built with it,
-    `--tree-budget 0,8,15`; else the tree's budget)."""
+    `lookup_budget` rows where the engine has that bucket (None: the rows it was built for, which
+    `build-engine` adds by default, or the default's; else the tree's budget)."""
     path = Path(path)
     m = read_manifest(path)
     if (warning := check_machine(path, m)) is not None:
@@ -208,7 +215,7 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
     check_manifest(m, target, drafter, path)
     budgets = m["budgets"]
     if tree_budget is None:
-        tree_budget = max(budgets) or 1
+        tree_budget = max(m.get("tree_budgets", budgets)) or 1
     asked = [b.budget for b in tree_budget.buckets] if isinstance(tree_budget, AdaptiveBudget) else [tree_budget]
     if drafter is not None and any(b not in budgets for b in asked):
         raise GlanceError(f"engine {path} has tree budgets {budgets}; {asked} asked. Pick among them or rebuild "
@@ -219,7 +226,8 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
                               "gate runs: rebuild with `--tree-budget 0` added, or pass gate=False")
         gate = False
     if drafter is not None and not m["chain"] and lookup != 0:
-        rows = default_lookup_budget(drafter.block_size) if lookup_budget is None else lookup_budget
+        rows = lookup_budget if lookup_budget is not None else (
+            m.get("lookup_budget") or default_lookup_budget(drafter.block_size))
         if rows > min(asked) and rows not in budgets:
             if lookup_budget is not None:
                 raise GlanceError(f"engine {path} has tree budgets {budgets}; lookup rounds of {rows} rows asked. "

@@ -19,7 +19,15 @@ import torch
 from torch import nn
 
 from glance_rt.errors import GlanceError, require
-from glance_rt.export.manifest import FORMAT, describe_graphs, graph_budgets, source, versions, write_manifest
+from glance_rt.export.manifest import (
+    FORMAT,
+    describe_graphs,
+    graph_budgets,
+    lookup_buckets,
+    source,
+    versions,
+    write_manifest,
+)
 from glance_rt.export.vision import export_vision
 from glance_rt.round.verify import example_inputs, static_graphs, static_shapes
 
@@ -233,12 +241,12 @@ def export_onnx(graphs, out, budgets, chain: bool, chunk: int, flavor: str = "po
 
 def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20, budgets=(8,), chain: bool = False,
                  max_len: int = 1024, chunk: int = 64, target_source=None, drafter_source=None,
-                 progress: bool = True, image_sizes=()) -> Path:
+                 progress: bool = True, image_sizes=(), lookup_budget: int = 0) -> Path:
     """`glance-rt export`: ONNX graphs of `target` (+ `drafter`) and their manifest, in `out`;
-    `image_sizes`: (W, H) image buckets to export a VLM's vision graphs for."""
-
-
-    budgets = graph_budgets(drafter, budgets, max_len, chunk)
+    `image_sizes`: (W, H) image buckets to export a VLM's vision graphs for; `lookup_budget` > 0:
+    the verify graph of lookup rounds of that many rows too (`lookup_buckets`)."""
+    tree_budgets = graph_budgets(drafter, budgets, max_len, chunk)
+    budgets = lookup_buckets(drafter, chain, tree_budgets, lookup_budget)
     out = Path(out)
     if (out / "manifest.json").exists():
         raise GlanceError(f"{out} already holds an export: pick another --out, or delete it to export again")
@@ -247,14 +255,14 @@ def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20
     graphs = export_onnx(static_graphs(target, drafter, max_len), out, budgets, chain, chunk, flavor, opset, progress)
     vision = {}
     if image_sizes:
-
         vision = export_vision(target, out, image_sizes, opset, progress)
     from importlib import metadata
 
     import onnx
 
     manifest = {"format": FORMAT, "backend": "onnx", "flavor": flavor, "opset": opset, "budgets": list(budgets),
-                "chain": chain, "max_len": max_len, "chunk": chunk,
+                "tree_budgets": list(tree_budgets), "lookup_budget": lookup_budget or None, "chain": chain,
+                "max_len": max_len, "chunk": chunk,
                 "block_size": drafter.block_size if drafter is not None else 1,
                 "tree_attention": {"domain": DOMAIN, "op_type": "TreeAttention", "version": VERSION},
                 "source": source(target, drafter), "versions": {**versions(), "onnx": onnx.__version__,

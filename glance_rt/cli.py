@@ -124,6 +124,22 @@ def main():
     """glance-rt: lossless GLANCE speculative decoding for vision-language models."""
 
 
+LOOKUP_BUCKET = click.option(
+    "--lookup-budget", default=None, type=int,
+    help=f"Rows of the lookup rounds' verify graph, built beside the tree budgets (default: "
+         f"{DEFAULT_LOOKUP_BUDGET} within the drafter's 2B-1, what `generate` runs; 0: none, lookup rounds then "
+         "verify the tree's rows).")
+
+
+def _lookup_bucket(lookup_budget, drafter, chain) -> int:
+    """The lookup rounds' verify rows to build (`--lookup-budget`; unset: the decoder's default)."""
+    from glance_rt.round.tree import default_lookup_budget
+
+    if lookup_budget is not None:
+        return lookup_budget
+    return default_lookup_budget(drafter.block_size) if drafter is not None and not chain else 0
+
+
 def _load(target_path, drafter_path, dtype, device):
     from glance_rt.hf.embedded import DEFAULT_NAME
     from glance_rt.hf.target import load_target
@@ -528,6 +544,7 @@ def _engine_decoder(method: Method, target_path, drafter_path):
                    "onnxruntime: portable (default) runs tree attention as standard ONNX ops; plugin as one "
                    "glance.TreeAttention node through glance-rt's compiled kernel library (needs --ort-include). "
                    "tensorrt: plugin only.")
+@LOOKUP_BUCKET
 @IMAGE_SIZES
 @click.option("--ort-include", type=click.Path(), default=None,
               help="Folder with ONNX Runtime's C API header onnxruntime_c_api.h (plugin flavor; default: "
@@ -536,7 +553,7 @@ def _engine_decoder(method: Method, target_path, drafter_path):
 @DEVICE
 @click.option("--out", required=True, type=click.Path(), help="Engine folder (resumes an interrupted build).")
 def build_engine(target_path, drafter_path, backend, budgets, chain, max_length, chunk, no_drafter, flavor,
-                 image_sizes, ort_include, dtype, device, out):
+                 lookup_budget, image_sizes, ort_include, dtype, device, out):
     """Compile the draft, verify and prefill passes of a target (+ drafter) into an engine folder."""
     from glance_rt.engines.engine import build_engine as build
 
@@ -547,7 +564,7 @@ def build_engine(target_path, drafter_path, backend, budgets, chain, max_length,
         start = time.perf_counter()
         build(target, drafter, out, backend=backend, budgets=budgets, chain=chain, max_len=max_length, chunk=chunk,
               target_source=target_path, drafter_source=drafter_path, flavor=flavor, ort_include=ort_include,
-              image_sizes=image_sizes)
+              image_sizes=image_sizes, lookup_budget=_lookup_bucket(lookup_budget, drafter, chain))
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"engine: {out} ({backend}, {time.perf_counter() - start:.0f} s)")
@@ -567,10 +584,11 @@ def build_engine(target_path, drafter_path, backend, budgets, chain, max_length,
               help="portable: tree attention also as a model-local ONNX function (runs anywhere); "
                    "plugin: the glance.TreeAttention node alone, for a runtime with its kernel (TensorRT plugin).")
 @click.option("--no-drafter", is_flag=True, help="Export the target's graphs only.")
+@LOOKUP_BUCKET
 @IMAGE_SIZES
 @DTYPE
-def export(target_path, drafter_path, out, budgets, chain, max_length, chunk, opset, flavor, no_drafter, image_sizes,
-           dtype):
+def export(target_path, drafter_path, out, budgets, chain, max_length, chunk, opset, flavor, no_drafter, lookup_budget,
+           image_sizes, dtype):
     """Export the target's prefill and tree-verify graphs and the drafter's graphs to ONNX."""
     from glance_rt.export.onnx import export_model
 
@@ -581,7 +599,7 @@ def export(target_path, drafter_path, out, budgets, chain, max_length, chunk, op
         start = time.perf_counter()
         export_model(target, drafter, out, flavor=flavor, opset=opset, budgets=budgets, chain=chain,
                      max_len=max_length, chunk=chunk, target_source=target_path, drafter_source=drafter_path,
-                     image_sizes=image_sizes)
+                     image_sizes=image_sizes, lookup_budget=_lookup_bucket(lookup_budget, drafter, chain))
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"onnx: {out} ({flavor}, opset {opset}, {time.perf_counter() - start:.0f} s); graphs in {out}/GRAPHS.md")

@@ -77,15 +77,32 @@ def test_aoti_engine_runs_lookup_rounds_in_their_bucket(tmp_path, monkeypatch):
     target, model, tok = tiny_target("llama")
     inputs = make_inputs("llama", tok)
     ref, p = hf_greedy(model, inputs, NEW), inputs["input_ids"].shape[1]
-    build_engine(target, drafter_for(target), tmp_path / "e", budgets=(6, 7), max_len=160, chunk=8, progress=False,
-                 flavor="shared")
+    build_engine(target, drafter_for(target), tmp_path / "e", budgets=(6,), max_len=160, chunk=8, progress=False,
+                 flavor="shared", lookup_budget=7)
     monkeypatch.setattr(dm, "lookup_match", lambda history, n, length: (n, ref[len(history) - p:][:length]))
-    dec = glance_rt.Decoder.from_engine(tmp_path / "e", target, drafter_for(target), tree_budget=6)
+    dec = glance_rt.Decoder.from_engine(tmp_path / "e", target, drafter_for(target))  # tree 6, not the 7-row bucket
     assert dec.lookup_budget == 7 and dec.budgets == [6, 7] and dec.method_name == "tree-6+lookup+always@aoti"
     res = dec.generate(max_new_tokens=NEW, **inputs)
     assert res.token_ids == ref
     s = res.stats  # 1 + 8 + 8 tokens, then a chain shorter than the tree: a drafted round
     assert s.accepted_lengths[:2] == [8, 8] and s.lookup_rounds == 2 and s.draft_passes == s.rounds - 2 == 1
+
+
+def test_lookup_bucket_is_built_only_where_a_decoder_would_use_it():
+    from glance_rt.export.manifest import lookup_buckets
+
+    target, _, _ = tiny_target("llama")
+    drafter = drafter_for(target)  # block 4: lookup rounds verify 1 to 7 rows
+    assert lookup_buckets(drafter, False, (0, 4), 7) == (0, 4, 7)
+    assert lookup_buckets(drafter, False, (0, 4, 8), 7) == (0, 4, 7, 8)
+    assert lookup_buckets(drafter, False, (0, 8), 7) == (0, 8)  # the tree's 8 rows hold it
+    assert lookup_buckets(drafter, False, (0, 4), 0) == (0, 4)
+    for bad in (8, -1):
+        with pytest.raises(glance_rt.GlanceError, match="1 to max_depth = 7"):
+            lookup_buckets(drafter, False, (4,), bad)
+    for d, chain in ((None, False), (drafter, True)):
+        with pytest.raises(glance_rt.GlanceError, match="drop --lookup-budget"):
+            lookup_buckets(d, chain, (4,), 7)
 
 
 def test_aoti_engine_with_graphs_of_both_flavors_is_lossless(tmp_path):
@@ -178,10 +195,12 @@ def test_cli_build_engine_then_generate(tmp_path_factory, tmp_path):
     drafter_for(target).save(tmp_path / "drafter")
     out = tmp_path / "engine"
     result = CliRunner().invoke(main, ["build-engine", "--target", path, "--drafter", str(tmp_path / "drafter"),
-                                       "--tree-budget", "0", "--tree-budget", "4", "--tree-budget", "8",
+                                       "--tree-budget", "0", "--tree-budget", "4",
                                        "--max-length", "128", "--chunk", "16", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert json.loads((out / "manifest.json").read_text())["budgets"] == [0, 4, 8]  # 0: the draft gate's steps
+    m = json.loads((out / "manifest.json").read_text())
+    # 0: the draft gate's steps; 7 = max_depth(4): the lookup rounds' rows, which the CLI adds by default
+    assert m["budgets"] == [0, 4, 7] and m["tree_budgets"] == [0, 4] and m["lookup_budget"] == 7
     inputs = target.encode_chat("Hello there.")
     want = target.decode(hf_greedy(target.hf_model, inputs, 12))
     result = CliRunner().invoke(main, ["generate", "--engine", str(out), "--prompt", "Hello there.",
@@ -194,12 +213,12 @@ def test_cli_build_engine_then_generate(tmp_path_factory, tmp_path):
     assert "autoregressive (eager" in result.stdout and "tokens identical: yes" in result.stdout
     suite = tmp_path / "suite.jsonl"
     suite.write_text("".join(json.dumps({"prompt": p, "kind": "chat"}) + "\n" for p in ["Hi.", "Copy: a b."]))
-    for budget in ("4", "8"):  # audit runs the engine as generate does, at each of its budgets
+    for budget in ([], ["--tree-budget", "7"]):  # audit runs the engine as generate does
         result = CliRunner().invoke(main, ["audit", "--engine", str(out), "--suite", str(suite), "--max-new-tokens",
-                                           "12", "--tree-budget", budget, "--json", str(tmp_path / "a.json")])
+                                           "12", *budget, "--json", str(tmp_path / "a.json")])
         assert result.exit_code == 0, result.output
         report = json.loads((tmp_path / "a.json").read_text())
         assert report["exact"] == report["total"] == 2 and report["backend"] == "aoti"
-        # lookup rounds at budget 4 verify the tree's 4 rows (no 7-row bucket built), at 8 max_depth(4) = 7
-        lookup = "+lookup-4" if budget == "4" else "+lookup"
-        assert report["tree_budget"] == int(budget) and report["method"] == f"tree-{budget}{lookup}@aoti"
+        # unset, the tree budget is the largest the engine was built for, not its lookup rounds' 7 rows
+        tree = 7 if budget else 4
+        assert report["tree_budget"] == tree and report["method"] == f"tree-{tree}+lookup@aoti"

@@ -106,6 +106,7 @@ def test_build_engine_onnxruntime_and_cli_export(tmp_path_factory, tmp_path):
     assert result.exit_code == 0, result.output
     m = json.loads((tmp_path / "ort" / "manifest.json").read_text())
     assert m["backend"] == "onnxruntime" and all(g["file"].endswith(".opt.onnx") for g in m["graphs"].values())
+    assert m["budgets"] == [6, 7] and m["lookup_budget"] == 7  # the lookup rounds' max_depth(4) rows, by default
     inputs = target.encode_chat("Hello there.")
     want = target.decode(hf_greedy(target.hf_model, inputs, 12))
     result = CliRunner().invoke(main, ["generate", "--engine", str(tmp_path / "ort"), "--prompt", "Hello there.",
