@@ -63,7 +63,7 @@ def write_summary(out: Path, option: str, rows: list[dict]) -> None:
     (out / "summary.json").write_text(json.dumps({"option": option, "runs": rows}, indent=1))
     kinds = sorted({k for r in rows for k in r["tau_kinds"]})
     lines = [f"| --{option} | training responses | tau | " + " | ".join(kinds) + " | best step | held-out loss | "
-             "held-out chain tau |", "|---" * (7 + len(kinds)) + "|"]
+             "held-out chain tau |", "|---" * (6 + len(kinds)) + "|"]  # value, responses, tau, kinds, 3 more
     for r in rows:
         lines.append(f"| {r['value']} | {r['responses']} | {r['tau']:.2f} | "
                      + " | ".join(f"{r['tau_kinds'].get(k, float('nan')):.2f}" for k in kinds)
