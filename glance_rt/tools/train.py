@@ -788,8 +788,6 @@ def evaluate_tau(target, drafter, rows: list[dict], cfg: TrainConfig, per_kind: 
                  lookup: int = 0) -> dict:
     """Mean accepted length (tokens committed per round) on held-out prompts, per kind, with the
     real decoder and the given tree budget (`lookup` > 0: with prompt-lookup chains grafted in)."""
-
-
     drafter = copy.deepcopy(drafter).to(target.dtype).eval().requires_grad_(False)  # never touch the trained one
     held: dict[str, list] = {}
     for r in heldout_rows(rows, per_kind):
