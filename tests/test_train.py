@@ -323,6 +323,23 @@ def test_training_rows_take_the_kinds_in_turn():
     assert [r["id"] for r in training_rows(rows, 1)] == ["0", "3", "5"]
 
 
+def test_data_curve_takes_each_runs_best_checkpoint_by_its_training_length(tmp_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    import data_curve
+
+    def run(folder, per_kind, steps, best):
+        hist = {"best_step": best, "steps": [{"step": s, "heldout_loss": 6.0 - s / 1000 + (s == best) * -1,
+                                              "heldout_tau_chain": 1 + s / 1000} for s in steps]}
+        (folder / f"per-kind-{per_kind}").mkdir(parents=True)
+        (folder / f"per-kind-{per_kind}" / "history.json").write_text(json.dumps(hist))
+
+    run(tmp_path / "a", 400, (100, 200), 100)
+    run(tmp_path / "a", 25, (100, 200), 200)
+    run(tmp_path / "b", 100, (500, 1000), 500)
+    lines = data_curve.curve_points([tmp_path / "a", tmp_path / "b"], kinds=5)
+    assert lines == {200: [(125, 6.0 - 0.2 - 1, 1.2), (2000, 6.0 - 0.1 - 1, 1.1)], 1000: [(500, 6.0 - 0.5 - 1, 1.5)]}
+
+
 @pytest.mark.full
 def test_ablation_script_runs_each_variant_once_and_summarises(tmp_path):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
@@ -342,7 +359,8 @@ def test_ablation_script_runs_each_variant_once_and_summarises(tmp_path):
         cfg = json.loads((out / f"block-size-{r['value']}" / "eval.json").read_text())["config"]
         assert cfg["block_size"] == int(r["value"]) and cfg["features"] == "online"
         assert r["responses"] == 7 and r["tau"] >= 1.0 and r["best_step"] in (2, 4)
-    assert (out / "summary.md").read_text().count("\n") == 4
+    table = (out / "summary.md").read_text().splitlines()
+    assert len(table) == 4 and table[0].count("|") == table[1].count("|")  # one separator per column
     stamp = (out / "block-size-2" / "eval.json").stat().st_mtime_ns
     ablate.main(["--out", str(out), "--vary", "block-size=2,4", "--", *common])  # finished runs are not redone
     assert (out / "block-size-2" / "eval.json").stat().st_mtime_ns == stamp
