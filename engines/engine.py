@@ -25,7 +25,7 @@ from glance_rt.models.drafter import load_drafter
 from glance_rt.models.kernels import PREFILL_ROWS, KernelTuner, cpu_model, machine
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
-from glance_rt.round.tree import default_lookup_budget, max_depth
+from glance_rt.round.tree import default_lookup_budget, max_depth, with_lookup_bucket
 from glance_rt.round.verify import Backend, static_graphs, static_passes, verify_rows
 
 ENGINE_BACKENDS = ("aoti", "onnxruntime", "tensorrt")
@@ -228,7 +228,7 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
     if drafter is not None and not m["chain"] and lookup != 0:
         rows = lookup_budget if lookup_budget is not None else (
             m.get("lookup_budget") or default_lookup_budget(drafter.block_size))
-        if rows > min(asked) and rows not in budgets:
+        if rows in with_lookup_bucket(asked, rows) and rows not in budgets:  # a bucket of its own, not built
             if lookup_budget is not None:
                 raise GlanceError(f"engine {path} has tree budgets {budgets}; lookup rounds of {rows} rows asked. "
                                   f"Rebuild with `glance-rt build-engine --tree-budget ...,{rows}` or leave it unset")

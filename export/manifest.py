@@ -14,7 +14,7 @@ import torch
 
 from glance_rt import __version__
 from glance_rt.errors import GlanceError
-from glance_rt.round.tree import check_budget, max_depth
+from glance_rt.round.tree import check_budget, check_lookup_budget, with_lookup_bucket
 
 FORMAT = "glance-rt/engine/3"  # 2: draft context and accepted paths of max_depth + 1 rows (deep lookup chains);
 # 3: the target decoder's weights are named per row class (`stacks.0.…`, `heads.0`)
@@ -142,10 +142,5 @@ def lookup_buckets(drafter, chain: bool, budgets: tuple[int, ...], lookup_budget
     if drafter is None or chain:
         raise GlanceError("lookup_budget sizes the verify graph of prompt-lookup rounds, which a tree engine with a "
                           "drafter runs: drop --lookup-budget (or pass 0) with --chain or --no-drafter")
-    deepest = max_depth(drafter.block_size)
-    if not 1 <= lookup_budget <= deepest:
-        raise GlanceError(f"lookup_budget={lookup_budget}: a lookup round verifies 1 to max_depth = {deepest} rows "
-                          f"of its chain with a drafter of block {drafter.block_size}")
-    if lookup_budget <= min(b for b in budgets if b):
-        return budgets
-    return tuple(sorted({*budgets, lookup_budget}))
+    check_lookup_budget(lookup_budget, drafter.block_size)
+    return tuple(with_lookup_bucket(budgets, lookup_budget))

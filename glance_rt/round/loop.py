@@ -24,11 +24,13 @@ from glance_rt.round.sample import GREEDY, Chooser, Sampling, stop_criteria, wal
 from glance_rt.round.tree import (
     build_tree,
     check_budget,
+    check_lookup_budget,
     default_lookup_budget,
     fills_budget,
     lookup_match,
     lookup_tree,
     max_depth,
+    with_lookup_bucket,
 )
 from glance_rt.round.verify import Backend, named_backend, round_modules
 
@@ -258,21 +260,14 @@ class Decoder:
             if rows is not None:
                 raise GlanceError("lookup_budget sizes prompt-lookup rounds: it needs lookup > 0")
             return 0
-        if rows is None:
-            return default_lookup_budget(self.block)
-        deepest = max_depth(self.block)
-        if not 1 <= rows <= deepest:
-            raise GlanceError(f"lookup_budget={rows}: a lookup round verifies 1 to max_depth = {deepest} rows of its "
-                              f"chain with a drafter of block {self.block}")
-        return rows
+        return default_lookup_budget(self.block) if rows is None else check_lookup_budget(rows, self.block)
 
     @property
     def budgets(self) -> list[int]:
         """The tree budgets this decoder's rounds may use (one verify shape each; 0: the gate's
         autoregressive steps; a lookup round's rows where they exceed the smallest tree's)."""
         drafted = [b.budget for b in self.policy.buckets] if self.policy is not None else [self.tree_budget]
-        if self.lookup_budget > min(drafted) and self.lookup_budget not in drafted:
-            drafted = sorted([*drafted, self.lookup_budget])
+        drafted = with_lookup_bucket(drafted, self.lookup_budget)
         return [0, *drafted] if self.gate is not None else drafted
 
     def warmup(self, prompt: str = "Hello") -> "Decoder":

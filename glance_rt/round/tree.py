@@ -91,6 +91,24 @@ def default_lookup_budget(block_size: int) -> int:
     return min(DEFAULT_LOOKUP_BUDGET, max_depth(block_size))
 
 
+def check_lookup_budget(rows: int, block_size: int) -> int:
+    """`rows` if a lookup round may verify that many rows of its chain (1 to `max_depth`)."""
+    deepest = max_depth(block_size)
+    if not 1 <= rows <= deepest:
+        raise GlanceError(f"lookup_budget={rows}: a lookup round verifies 1 to max_depth = {deepest} rows of its "
+                          f"chain with a drafter of block {block_size}")
+    return rows
+
+
+def with_lookup_bucket(budgets, rows: int) -> list[int]:
+    """The verify buckets of tree `budgets` (0: one-row steps) and lookup rounds of `rows` rows (0:
+    none): `rows` is a bucket of its own only where it exceeds the smallest tree's."""
+    trees = [b for b in budgets if b]
+    if rows and trees and rows > min(trees) and rows not in budgets:
+        return sorted([*budgets, rows])
+    return list(budgets)
+
+
 def fills_budget(block_size: int, budget: int, lookup: tuple[int, list[int]]) -> bool:
     """Whether a prompt-lookup match (n, chain) takes every row of a tree of `budget` nodes: then the
     drafter's candidates would get none, and the round needs no draft pass (`lookup_tree`)."""
