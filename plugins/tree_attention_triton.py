@@ -1,15 +1,34 @@
-"""Tree attention on GPUs: ONE Triton kernel, the CUDA implementation of `glance::tree_attention`
+"""Tree attention on GPUs: ONE Triton kernel source, the CUDA implementation of `glance::tree_attention`
 (torch, eager and compiled) and the kernel the TensorRT plugin bakes into its engines.
 
 Contract (as `glance_rt.models.attention.tree_attention_reference`): query rows t < T of head h see
 cache rows j < prefix_len, and rows prefix_len + i where tree_mask[t, i]; every other row is
-invisible. The kernel reads prefix_len from device memory and loops over cache rows [0, prefix_len + T)
-only: no host sync (a CUDA graph captures it), and the cache tail past the queries' own rows is never
-read. Flash-style (online softmax over BLOCK_N-row tiles, fp32 accumulators, one pass over K and V);
-grouped-query heads are folded, so one program reads each K/V tile once for the G query heads that
-share it.
+invisible. The kernels read prefix_len from device memory and visit cache rows [0, prefix_len + T)
+only: no host sync (a CUDA graph captures them), and the cache tail past the queries' own rows is never
+read. Flash-style (online softmax over BLOCK_N-row tiles, fp32 accumulators); grouped-query heads are
+folded, so one program reads each K/V tile once for the G query heads that share it.
 
-Launch ABI (TensorRT's AOT plugin order: input pointers, int32 extras, output pointers):
+Split-KV (flash-decoding). A decode call has few query rows (G*T: 8 at a 3B's AR step), so one program
+per (query tile, KV head) leaves most of a GPU idle while each program walks the whole prefix alone
+(the first H200 run: 2 programs on 132 SMs, 102 us where reading the rows takes about 1 us). So the
+cache is cut into splits of SPLIT_ROWS rows with FIXED boundaries [s*S, (s+1)*S): programs run over
+(query tile, KV head, split); each writes its split's partial softmax state (running max m, sum l and
+the unnormalised accumulator acc, fp32) to scratch; a combine kernel then folds the splits in order
+s = 0, 1, ... (m' = max(m, m_s); l' = l e^(m-m') + l_s e^(m_s-m'); acc likewise) and normalises. The
+boundaries depend on neither T nor the number of splits a call needs (the grid covers the cache's
+capacity; splits past prefix_len + T exit at once and the combine folds only the live ones), and the
+tiles inside a split start at its boundary, so every query row's reduction order is a function of the
+cache rows alone: a verify row and an autoregressive step at the same position reduce alike, and a
+longer prefix adds programs instead of lengthening one program's loop. One split's fold is exact
+(e^(-1e30-m) = 0, e^0 = 1), so a cache of at most SPLIT_ROWS rows runs the direct kernel alone (no
+scratch, one launch) with bit-identical results.
+
+Three entry points share one body (`_attend_rows`):
+  tree_attention_kernel          direct: one program walks all rows and normalises (the TensorRT plugin's)
+  tree_attention_split_kernel    one split's partial state per (query tile, KV head, split)
+  tree_attention_combine_kernel  folds the live splits in order, normalises, writes out
+
+Direct kernel launch ABI (TensorRT's AOT plugin order: input pointers, int32 extras, output pointers):
 
     tree_attention_kernel(q, k, v, tree_mask, prefix_len, T, KV_ROWS, out)
       q          *dtype  [1, H, T, D] contiguous
@@ -21,6 +40,9 @@ Launch ABI (TensorRT's AOT plugin order: input pointers, int32 extras, output po
     constexprs: GROUPS = H // KVH, HEAD_DIM = D, SCALE, BLOCK_M, BLOCK_N, BLOCK_D
     grid: (cdiv(GROUPS * T, BLOCK_M), KVH, 1); block: num_warps * 32 threads
 
+The TensorRT plugin runs the direct kernel: TensorRT's AOT plugins launch exactly one kernel and get no
+workspace, so the split path (two launches, scratch) is the torch op's (docs/engines.md).
+
 fp32 runs its dot products in IEEE fp32 (no TF32): fp32 output must match the reference, whose
 tokens equal Hugging Face's. fp16/bf16 multiply in their dtype and accumulate in fp32.
 """
@@ -28,20 +50,24 @@ tokens equal Hugging Face's. fp16/bf16 multiply in their dtype and accumulate in
 import triton
 import triton.language as tl
 
-ABI = ("q", "k", "v", "tree_mask", "prefix_len", "T", "KV_ROWS", "out")  # the kernel's runtime parameters
+ABI = ("q", "k", "v", "tree_mask", "prefix_len", "T", "KV_ROWS", "out")  # the direct kernel's runtime parameters
 INPUTS, EXTRAS, OUTPUTS = ABI[:5], ABI[5:7], ABI[7:]
 DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # torch dtype name -> Triton type
 NUM_WARPS = 4
 PTX_VERSION = 87  # Triton 3.9's default PTX ISA (9.4) is newer than CUDA 13.0's ptxas takes: pin one both know
+SPLIT_ROWS = 256  # cache rows per split (a power of two >= 16): fixed boundaries, whatever the call
+M_START = tl.constexpr(-1.0e30)  # the running max before any visible row: finite, so an empty tile gives p = 0, not NaN
 
 
-def blocks(head_dim: int, dtype: str) -> dict:
+def blocks(head_dim: int, dtype: str, split_rows: int | None = None) -> dict:
     """Tile sizes: BLOCK_D pads the head dim to a power of two (tl.dot needs >= 16 on every side);
     BLOCK_N keeps shared memory within the 48 KiB a launch gets without opting in (TensorRT launches
-    AOT kernels with the shared_mem the plugin declares)."""
+    AOT kernels with the shared_mem the plugin declares), and within a split (its tiles start at the
+    split's boundary). BLOCK_M is the direct kernel's; the split kernel picks its own (`split_block_m`)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     wide = (4 if dtype == "float32" else 2) * block_d  # bytes per cache row of one K or V tile
-    return dict(BLOCK_M=16, BLOCK_N=64 if wide <= 256 else 32 if wide <= 512 else 16, BLOCK_D=block_d)
+    block_n = 64 if wide <= 256 else 32 if wide <= 512 else 16
+    return dict(BLOCK_M=16, BLOCK_N=min(block_n, split_rows or block_n), BLOCK_D=block_d)
 
 
 def stages(head_dim: int, dtype: str) -> int:
@@ -49,29 +75,28 @@ def stages(head_dim: int, dtype: str) -> int:
     return 1 if (4 if dtype == "float32" else 2) * head_dim > 512 else 2
 
 
-@triton.jit
-def tree_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_ROWS, out_ptr,
-                          GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    kvh = tl.program_id(1)
-    rows = GROUPS * T  # folded query rows of this KV head: head kvh*G + r // T, query r % T
-    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M]
-    t = r % T  # [M] query index (its tree_mask row)
-    d = tl.arange(0, BLOCK_D)  # [D]
-    r_ok, d_ok = r < rows, d < HEAD_DIM
-    q_off = (kvh * rows + r)[:, None] * HEAD_DIM + d[None, :]  # the G heads of a KV head are adjacent
-    q = tl.load(q_ptr + q_off, mask=r_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
-    prefix = tl.load(prefix_ptr).to(tl.int32)
-    seen = prefix + T  # rows past the queries' own are never read
-    kv_base = kvh.to(tl.int64) * KV_ROWS * HEAD_DIM
-    precision: tl.constexpr = "ieee" if q_ptr.dtype.element_ty == tl.float32 else "tf32"  # tf32: ignored off fp32
+def split_block_m(rows: int) -> int:
+    """Query rows per split program: enough for a verify call's G*T rows to share each K/V tile read
+    (it comes from L2 once per query tile), few for a decode step. A row's result does not depend on
+    which rows share its tile (each row's reduction runs over the cache rows alone)."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a tile with nothing visible gives p = 0, not NaN
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, seen, BLOCK_N):
+
+def check_split_rows(split_rows: int) -> int:
+    if split_rows < 16 or split_rows & (split_rows - 1):
+        raise ValueError(f"split_rows must be a power of two >= 16, got {split_rows}")
+    return split_rows
+
+
+@triton.jit
+def _attend_rows(q, k_ptr, v_ptr, mask_ptr, kv_base, prefix, T, t, r_ok, d, d_ok, lo, hi, m_i, l_i, acc,
+                 HEAD_DIM: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online softmax of query tile q [M, D] over cache rows [lo, hi) in BLOCK_N-row tiles from lo:
+    updates and returns the running (m [M], l [M], acc [M, D]), all fp32."""
+    precision: tl.constexpr = "ieee" if k_ptr.dtype.element_ty == tl.float32 else "tf32"  # tf32: ignored off fp32
+    for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)  # [N] cache rows
-        j_ok = j < seen
+        j_ok = j < hi
         kv_off = kv_base + j[:, None] * HEAD_DIM + d[None, :]  # [N, D]
         kv_mask = j_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
@@ -88,54 +113,176 @@ def tree_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_ROWS,
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=precision)
         m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _query_tile(T, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """This program's folded query rows of its KV head (program_id 1): head kvh*G + r // T, query r % T.
+    -> (r [M], t [M], d [D], r_ok, d_ok, q_off [M, D]); the G heads of a KV head are adjacent in q."""
+    kvh = tl.program_id(1)
+    rows = GROUPS * T
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M]
+    d = tl.arange(0, BLOCK_D)  # [D]
+    q_off = (kvh * rows + r)[:, None] * HEAD_DIM + d[None, :]
+    return r, r % T, d, r < rows, d < HEAD_DIM, q_off
+
+
+@triton.jit
+def tree_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_ROWS, out_ptr,
+                          GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    r, t, d, r_ok, d_ok, q_off = _query_tile(T, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D)
+    q = tl.load(q_ptr + q_off, mask=r_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
+    prefix = tl.load(prefix_ptr).to(tl.int32)
+    kv_base = tl.program_id(1).to(tl.int64) * KV_ROWS * HEAD_DIM
+    m_i = tl.full([BLOCK_M], M_START, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = _attend_rows(q, k_ptr, v_ptr, mask_ptr, kv_base, prefix, T, t, r_ok, d, d_ok, 0, prefix + T,
+                                 m_i, l_i, acc, HEAD_DIM, SCALE, BLOCK_N)  # rows past the queries' never read
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
 
-def grid(rows: int, kv_heads: int, block_m: int) -> tuple[int, int, int]:
-    """Programs for GROUPS * T folded query rows over kv_heads KV heads."""
-    return (triton.cdiv(rows, block_m), kv_heads, 1)
+@triton.jit
+def tree_attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_ROWS, acc_ptr, ml_ptr,
+                                GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE: tl.constexpr,
+                                SPLIT_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_D: tl.constexpr):
+    """Split program_id(2)'s partial state for one query tile of one KV head, into scratch laid out as
+    acc [KVH, SPLITS, G*T, D] and ml [KVH, SPLITS, G*T, 2] (fp32; SPLITS = the grid's third size)."""
+    split = tl.program_id(2)
+    prefix = tl.load(prefix_ptr).to(tl.int32)
+    lo = split * SPLIT_ROWS
+    if lo < prefix + T:  # a split past the queries' own rows has nothing to read (and the combine skips it)
+        r, t, d, r_ok, d_ok, q_off = _query_tile(T, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D)
+        q = tl.load(q_ptr + q_off, mask=r_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
+        kvh = tl.program_id(1)
+        kv_base = kvh.to(tl.int64) * KV_ROWS * HEAD_DIM
+        m_i = tl.full([BLOCK_M], M_START, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        hi = tl.minimum(lo + SPLIT_ROWS, prefix + T)
+        m_i, l_i, acc = _attend_rows(q, k_ptr, v_ptr, mask_ptr, kv_base, prefix, T, t, r_ok, d, d_ok, lo, hi,
+                                     m_i, l_i, acc, HEAD_DIM, SCALE, BLOCK_N)
+        part = (kvh * tl.num_programs(2) + split).to(tl.int64) * (GROUPS * T) + r  # [M] rows of the scratch
+        tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
+        tl.store(ml_ptr + part * 2, m_i, mask=r_ok)
+        tl.store(ml_ptr + part * 2 + 1, l_i, mask=r_ok)
 
 
+@triton.jit
+def tree_attention_combine_kernel(acc_ptr, ml_ptr, prefix_ptr, T, SPLITS, out_ptr,
+                                  GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_ROWS: tl.constexpr,
+                                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Fold the live splits' partial states in split order and normalise: out [1, H, T, D]."""
+    r, t, d, r_ok, d_ok, q_off = _query_tile(T, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D)
+    kvh = tl.program_id(1)
+    live = tl.cdiv(tl.load(prefix_ptr).to(tl.int32) + T, SPLIT_ROWS)
+    m_i = tl.full([BLOCK_M], M_START, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for split in range(0, live):
+        part = (kvh * SPLITS + split).to(tl.int64) * (GROUPS * T) + r  # [M]
+        m_s = tl.load(ml_ptr + part * 2, mask=r_ok, other=M_START)
+        l_s = tl.load(ml_ptr + part * 2 + 1, mask=r_ok, other=0.0)
+        acc_s = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=r_ok[:, None] & d_ok[None, :],
+                        other=0.0)
+        m_new = tl.maximum(m_i, m_s)
+        alpha, beta = tl.exp(m_i - m_new), tl.exp(m_s - m_new)
+        l_i = l_i * alpha + l_s * beta
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
-def tree_attention(q, k, v, tree_mask, prefix_len, scale: float):
-    """Launch the kernel on torch tensors: CUDA, or CPU tensors through Triton's interpreter (with
+
+def grid(rows: int, kv_heads: int, block_m: int, splits: int = 1) -> tuple[int, int, int]:
+    """Programs for GROUPS * T folded query rows over kv_heads KV heads (and `splits` cache splits)."""
+    return (triton.cdiv(rows, block_m), kv_heads, splits)
+
+
+def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int | None = SPLIT_ROWS,
+                   block_m: int | None = None):
+    """Launch on torch tensors: CUDA, or CPU tensors through Triton's interpreter (with
     TRITON_INTERPRET=1 set before triton is first imported, as the tests do). Shapes as the op; k and v
-    may be row slices of a larger cache (any head stride), q any layout. -> [1, H, T, D]."""
+    may be row slices of a larger cache (any head stride), q any layout. -> [1, H, T, D].
+
+    The cache's L = k.shape[2] rows are cut into cdiv(L, split_rows) splits (split-KV: split kernel, then
+    combine); `split_rows` None, or L <= split_rows, runs the direct kernel alone. `block_m`: the split
+    kernel's query rows per program (None: `split_block_m`); it changes no result."""
     import torch
 
     _, heads, t, d = q.shape
-    kv_heads = k.shape[1]
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    groups, dtype = heads // kv_heads, str(q.dtype).removeprefix("torch.")
     q = q.contiguous()
     if k.stride(3) != 1 or k.stride(2) != d or v.stride() != k.stride():
         k, v = k.contiguous(), v.contiguous()
     out = torch.empty_like(q)  # [1, H, T, D]
     prefix = prefix_len.reshape(()).to(torch.int64)
-    tiles = blocks(d, str(q.dtype).removeprefix("torch."))
-    tree_attention_kernel[grid(heads // kv_heads * t, kv_heads, tiles["BLOCK_M"])](
-        q, k, v, tree_mask.contiguous(), prefix, t, k.stride(1) // d, out,
-        GROUPS=heads // kv_heads, HEAD_DIM=d, SCALE=float(scale), **tiles, num_warps=NUM_WARPS,
-        num_stages=stages(d, str(q.dtype).removeprefix("torch.")))
+    mask = tree_mask.contiguous()
+    common = dict(GROUPS=groups, HEAD_DIM=d, num_warps=NUM_WARPS, num_stages=stages(d, dtype))
+    splits = 1 if split_rows is None else triton.cdiv(kv_len, check_split_rows(split_rows))
+    if splits == 1:
+        tiles = blocks(d, dtype)
+        tree_attention_kernel[grid(groups * t, kv_heads, tiles["BLOCK_M"])](
+            q, k, v, mask, prefix, t, k.stride(1) // d, out, SCALE=float(scale), **tiles, **common)
+        return out
+    tiles = blocks(d, dtype, split_rows)
+    tiles["BLOCK_M"] = block_m or split_block_m(groups * t)
+    acc = torch.empty(kv_heads, splits, groups * t, d, dtype=torch.float32, device=q.device)  # scratch
+    ml = torch.empty(kv_heads, splits, groups * t, 2, dtype=torch.float32, device=q.device)
+    tree_attention_split_kernel[grid(groups * t, kv_heads, tiles["BLOCK_M"], splits)](
+        q, k, v, mask, prefix, t, k.stride(1) // d, acc, ml, SCALE=float(scale), SPLIT_ROWS=split_rows,
+        **tiles, **common)
+    tree_attention_combine_kernel[grid(groups * t, kv_heads, tiles["BLOCK_M"])](
+        acc, ml, prefix, t, splits, out, SPLIT_ROWS=split_rows, BLOCK_M=tiles["BLOCK_M"],
+        BLOCK_D=tiles["BLOCK_D"], **common)
     return out
 
 
 def compile_aot(dtype: str, head_dim: int, groups: int, scale: float, arch: int = 90):
-    """Compile the kernel ahead of time for one dtype ("float32", "float16", "bfloat16") and shape
+    """Compile the direct kernel ahead of time for one dtype ("float32", "float16", "bfloat16") and shape
     family, for GPUs of compute capability `arch` (80: A100, 90: H100/H200), with no GPU: returns
     Triton's compiled kernel (`.asm["ptx"]`, `.asm["cubin"]`, `.metadata.name`, `.metadata.shared`).
     T and KV_ROWS stay runtime int32 parameters (no value specialisation), as the plugin passes them.
     Not under TRITON_INTERPRET=1 (the interpreter replaces Triton's language: nothing compiles)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     ty = DTYPES[dtype]
     signature = {"q_ptr": f"*{ty}", "k_ptr": f"*{ty}", "v_ptr": f"*{ty}", "mask_ptr": "*i1", "prefix_ptr": "*i64",
                  "T": "i32", "KV_ROWS": "i32", "out_ptr": f"*{ty}"}
     constexprs = dict(GROUPS=groups, HEAD_DIM=head_dim, SCALE=float(scale), **blocks(head_dim, dtype))
-    for name in constexprs:
-        signature[name] = "constexpr"
-    src = ASTSource(fn=tree_attention_kernel, signature=signature, constexprs=constexprs)
-    options = {"num_warps": NUM_WARPS, "num_stages": stages(head_dim, dtype), "ptx_version": PTX_VERSION,
+    return _compile(tree_attention_kernel, signature, constexprs, arch, stages(head_dim, dtype))
+
+
+def compile_split_aot(dtype: str, head_dim: int, groups: int, scale: float, arch: int = 90,
+                      split_rows: int = SPLIT_ROWS, block_m: int = 16) -> tuple:
+    """The split-KV pair (split kernel, combine kernel) compiled ahead of time as `compile_aot` does:
+    proof with no GPU that both lower to PTX and assemble for `arch`."""
+    ty = DTYPES[dtype]
+    tiles = {**blocks(head_dim, dtype, check_split_rows(split_rows)), "BLOCK_M": block_m}
+    split = _compile(tree_attention_split_kernel,
+                     {"q_ptr": f"*{ty}", "k_ptr": f"*{ty}", "v_ptr": f"*{ty}", "mask_ptr": "*i1",
+                      "prefix_ptr": "*i64", "T": "i32", "KV_ROWS": "i32", "acc_ptr": "*fp32", "ml_ptr": "*fp32"},
+                     dict(GROUPS=groups, HEAD_DIM=head_dim, SCALE=float(scale), SPLIT_ROWS=split_rows, **tiles),
+                     arch, stages(head_dim, dtype))
+    combine = _compile(tree_attention_combine_kernel,
+                       {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "prefix_ptr": "*i64", "T": "i32", "SPLITS": "i32",
+                        "out_ptr": f"*{ty}"},
+                       dict(GROUPS=groups, HEAD_DIM=head_dim, SPLIT_ROWS=split_rows, BLOCK_M=block_m,
+                            BLOCK_D=tiles["BLOCK_D"]), arch, 1)
+    return split, combine
+
+
+def _compile(fn, signature: dict, constexprs: dict, arch: int, num_stages: int):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    options = {"num_warps": NUM_WARPS, "num_stages": num_stages, "ptx_version": PTX_VERSION,
                "enable_fp_fusion": True}
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 

@@ -98,6 +98,73 @@ def test_kernel_sees_prefix_by_length_not_by_mask():
     assert (a - b).abs().max() > 1e-3
 
 
+# ----------------------------------------------------------------------------- split-KV
+
+
+@pytest.mark.usefixtures("interpreter_bf16_dot")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,t,prefix,d,split_rows", [
+    (4, 2, 1, 100, 16, 16),  # an AR step over 7 splits, the last one partial
+    (6, 2, 9, 32, 16, 16),  # prefix on a boundary: split [32, 48) holds only tree rows
+    (4, 4, 5, 13, 8, 16),  # the tree straddles a boundary; head dim padded
+    (12, 2, 17, 70, 32, 32),  # a tree wider than a split; G*T = 102 rows in 64-row tiles
+    (6, 1, 24, 201, 24, 64),  # MQA, 4 splits of 64, each one tile
+])
+def test_split_kernel_matches_reference(dtype, heads, kv_heads, t, prefix, d, split_rows):
+    """Split-KV: many splits, a split of tree rows only, GQA/MQA, padded head dims; the cache holds
+    spare splits past prefix + T (NaN: a live split must stop at prefix + T, a dead one read nothing)."""
+    q, k, v, mask = case(heads, kv_heads, t, prefix, d, dtype, seed=prefix + t, cache_rows=prefix + t + 3 * split_rows)
+    scale = 1 / math.sqrt(d)
+    got = triton_kernel.tree_attention(q, k, v, mask, torch.tensor(prefix, device=q.device), scale, split_rows)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float().cpu(), expected(q, k, v, mask, prefix, scale), atol=TOL[dtype],
+                               rtol=TOL[dtype])
+
+
+def test_split_kernel_default_splits_a_long_cache():
+    """The op's own default (SPLIT_ROWS) at a cache of several splits, through the named op's launcher."""
+    s = triton_kernel.SPLIT_ROWS
+    q, k, v, mask = case(8, 2, 3, 2 * s + 5, 16, torch.float32, seed=11, cache_rows=4 * s)
+    got = triton_kernel.tree_attention(q, k, v, mask, torch.tensor(2 * s + 5, device=q.device), 0.25)
+    torch.testing.assert_close(got.cpu(), expected(q, k, v, mask, 2 * s + 5, 0.25), atol=2e-6, rtol=2e-6)
+
+
+def test_one_live_split_equals_the_direct_kernel_bit_for_bit():
+    """Folding one split is exact (e^(-1e30 - m) = 0, e^0 = 1): a call whose rows fit the first split
+    gives the direct kernel's bits, which is why a cache of <= SPLIT_ROWS rows runs the direct kernel."""
+    q, k, v, mask = case(4, 2, 6, 20, 16, torch.float32, seed=4, cache_rows=128)
+    p = torch.tensor(20, device=q.device)
+    split = triton_kernel.tree_attention(q, k, v, mask, p, 0.25, split_rows=32, block_m=16)
+    direct = triton_kernel.tree_attention(q, k, v, mask, p, 0.25, split_rows=None)
+    assert torch.equal(split, direct)
+
+
+@pytest.mark.parametrize("split_rows", [16, 32])
+def test_split_boundaries_are_fixed_by_cache_rows(split_rows):
+    """A verify row and an autoregressive step at the same position reduce in the same order: row i of a
+    chain verified at prefix P equals, bit for bit, a one-row step at prefix P + i over the same cache
+    (same tile of query rows, `block_m`, so only the split and tile boundaries are under test)."""
+    t, prefix = 7, 29
+    q, k, v, mask = case(4, 2, t, prefix, 16, torch.float32, seed=8, cache_rows=prefix + t + 40)
+    k, v = k.nan_to_num(1.0), v.nan_to_num(1.0)  # every row real: the step's view of the cache
+    chain = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    verify = triton_kernel.tree_attention(q, k, v, chain, torch.tensor(prefix, device=q.device), 0.25, split_rows,
+                                          block_m=16)
+    one = torch.ones(1, 1, dtype=torch.bool, device=q.device)
+    for i in range(t):
+        step = triton_kernel.tree_attention(q[:, :, i : i + 1], k, v, one, torch.tensor(prefix + i, device=q.device),
+                                            0.25, split_rows, block_m=16)
+        assert torch.equal(step, verify[:, :, i : i + 1]), i
+
+
+def test_split_rows_must_be_a_power_of_two():
+    q, k, v, mask = case(4, 2, 1, 10, 16, torch.float32, seed=1)
+    for bad in (8, 48):
+        with pytest.raises(ValueError, match="power of two"):
+            triton_kernel.tree_attention(q, k, v, mask, torch.tensor(10), 0.25, split_rows=bad)
+
+
 AOT_CASES = [(arch, dtype, 128) for arch in (80, 90) for dtype in ("float32", "float16", "bfloat16")]
 AOT_CASES += [(90, dtype, d) for dtype in ("float32", "bfloat16") for d in (64, 80, 256)]
 
@@ -191,3 +258,24 @@ def test_plugin_ptx_refuses_a_body_that_reads_a_hidden_parameter(compiled):
     body = k["ptx"].replace("ret;", f"ld.param.u64 %rd999, [{hidden}];\n\tret;", 1)
     with pytest.raises(ValueError, match="reads hidden parameter 8"):
         triton_kernel.plugin_ptx({**k, "ptx": body}, "x")
+
+
+def test_split_kernels_compile_ahead_of_time():
+    """The split and combine kernels lower to PTX and assemble (cubin) for sm_80 and sm_90 with no GPU,
+    where the interpreter alone would not catch what only the compiler refuses."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json\nfrom glance_rt.plugins import tree_attention_triton as m\nout = []\n"
+            "for arch, dtype, d, bm in [(90, 'bfloat16', 128, 64), (80, 'float32', 64, 16)]:\n"
+            "    for k in m.compile_split_aot(dtype, d, 7, d ** -0.5, arch, m.SPLIT_ROWS, bm):\n"
+            "        out.append([k.metadata.name, len(k.asm['cubin']), f'.target sm_{arch}' in k.asm['ptx']])\n"
+            "print(json.dumps(out))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout)
+    assert [name for name, _, _ in got] == ["tree_attention_split_kernel", "tree_attention_combine_kernel"] * 2
+    assert all(cubin > 0 and target for _, cubin, target in got)
