@@ -145,7 +145,8 @@ def best_first(top_lp: np.ndarray, top_ids: np.ndarray, budget: int, lookup: lis
     n_depth, width = top_lp.shape
     tokens, parent, depth = [0], [-1], [0]
     grafted = graft(tokens, parent, depth, list(lookup)[:budget])
-    heap = [(-top_lp[0, 0], 0, 1, 0, 0, 0.0)]  # (-score, tiebreak, depth, rank, parent, parent score)
+    root = np.float32(0.0)  # scores stay float32 whatever NumPy's scalar promotion (1.x would widen 0.0 + f32)
+    heap = [(-top_lp[0, 0], 0, 1, 0, 0, root)]  # (-score, tiebreak, depth, rank, parent, parent score)
     count = 1
     while heap and len(tokens) <= budget:
         neg, _, d, r, par, par_score = heapq.heappop(heap)
@@ -165,6 +166,17 @@ def best_first(top_lp: np.ndarray, top_ids: np.ndarray, budget: int, lookup: lis
     return tokens, parent, depth
 
 
+def draft_topk(draft_logits: Tensor, width: int, vocab: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """draft_logits [D, V] -> (top log-probs [D, K] float32, their columns [D, K] int64, or the token ids
+    of a draft vocabulary `vocab` [V] tensor): log_softmax in float32, NaN and -inf as -1e30, topk. The
+    host tree (`build_tree`) and the device tree (`glance_rt.round.device_tree`) both start here."""
+    lp = torch.log_softmax(draft_logits.float(), dim=-1).nan_to_num(nan=-1e30, neginf=-1e30)  # [D, V]
+    top_lp, top_ids = torch.topk(lp, width, dim=-1)  # [D, K]
+    if vocab is not None:
+        top_ids = vocab.to(top_ids.device)[top_ids]
+    return top_lp, top_ids.long()
+
+
 def build_tree(draft_logits: Tensor | None, root: int, budget: int, chain: bool = False,
                vocab: np.ndarray | None = None, lookup: tuple[int, list[int]] = (0, ())) -> Tree:
     """draft_logits [D, V] (depths 1..D) -> a Tree of exactly budget+1 rows (root included).
@@ -178,15 +190,14 @@ def build_tree(draft_logits: Tensor | None, root: int, budget: int, chain: bool 
     """
     if draft_logits is None or budget == 0:
         return _pack([root], [-1], [0], 1)
-    lp = torch.log_softmax(draft_logits.float(), dim=-1).nan_to_num(nan=-1e30, neginf=-1e30)
-    width = 1 if chain else min(budget, lp.shape[-1])
-    top_lp, top_ids = (x.cpu() for x in torch.topk(lp, width, dim=-1))  # [D, K]: only these reach the host
+    width = 1 if chain else min(budget, draft_logits.shape[-1])
+    top_lp, top_ids = (x.cpu() for x in draft_topk(draft_logits, width))  # [D, K]: only these reach the host
     top_ids = top_ids.numpy() if vocab is None else vocab[top_ids.numpy()]
     ngram, grafted = lookup
-    grafted = [] if chain or not ngram else list(grafted)[: lookup_rows(len(lp) + 1, budget, ngram)]
+    grafted = [] if chain or not ngram else list(grafted)[: lookup_rows(len(top_lp) + 1, budget, ngram)]
     tokens, parent, depth = best_first(top_lp.numpy(), top_ids, budget, grafted)
     tokens[0] = root
-    size = min(budget, len(lp)) + 1 if chain else budget + 1
+    size = min(budget, len(top_lp)) + 1 if chain else budget + 1
     return _pack(tokens, parent, depth, size)
 
 
