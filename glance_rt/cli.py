@@ -47,8 +47,9 @@ def method_options(command):
                      help=f"Rows a round whose lookup chain fills the tree verifies (the chain alone, no draft "
                           f"pass; default: {DEFAULT_LOOKUP_BUDGET} within the drafter's 2B-1; an engine needs "
                           "that budget bucket)."),
-        click.option("--backend", default="eager", show_default=True, type=click.Choice(["eager", "compile"]),
-                     help="compile: fixed-shape passes under torch.compile (CUDA graphs on a GPU)."),
+        click.option("--backend", default=None, type=click.Choice(["eager", "compile"]),
+                     help="compile: fixed-shape passes under torch.compile (CUDA graphs on a GPU). Default: "
+                          "compile on a CUDA device, eager on a CPU."),
         click.option("--engine", "engine_dir", type=click.Path(), default=None,
                      help="Run a built engine (glance-rt build-engine); its manifest sets budgets, shapes and "
                           "sources (--target/--drafter override them)."),

@@ -4,7 +4,8 @@ from the options `generate` and `audit` share; and the one rule that sizes the s
 
 The defaults are the fastest lossless configuration measured on the default target without a
 built engine (docs/benchmarks.md): GLANCE trees of 8 draft nodes with a prompt-lookup chain of
-n-grams up to 8 grafted in, eager passes, and the draft gate (a round drafts only where the
+n-grams up to 8 grafted in, the device's default backend (`default_backend`: compiled CUDA-graph
+passes on a CUDA device, eager passes on a CPU), and the draft gate (a round drafts only where the
 entropy law and the round costs measured on the machine at hand predict drafting pays).
 """
 
@@ -22,23 +23,32 @@ KINDS = ("ar", "chain", "tree", "adaptive")
 BACKENDS = ("eager", "compile", "plain")  # plain: eager with the HF modules' own linear layers (no prepacking)
 
 
+def default_backend(device) -> str:
+    """The backend that runs when none is named: "compile" (fixed-shape passes, CUDA graphs) on a CUDA
+    device, where eager launches cost 8x (an H200 at a 3B's shapes: AR step 42.2 ms eager, 5.25 ms
+    compiled; docs/engines.md), and "eager" on a CPU, where the kernels are chosen by timing and nothing
+    waits for a compile (docs/benchmarks.md)."""
+    return "compile" if str(device).startswith("cuda") else "eager"
+
+
 @dataclass(frozen=True)
 class Method:
     """How to decode. `kind`: "tree" (GLANCE trees of `tree_budget` draft nodes), "chain" (the
     width-1 tree, DFlash-style), "ar" (autoregression through the same verify pass) or "adaptive"
     (a budget bucket per round from the entropy law; needs a calibrated `AdaptiveBudget`).
     `lookup`: prompt-lookup n-gram grafted into a drafter's trees (None: `DEFAULT_LOOKUP` where it
-    applies, 0: none). `backend`: eager, compile or plain. `engine`: a built engine's folder (its
-    manifest fixes the budget buckets, chain and shapes; the backend is the engine's; `tree_budget`
-    None: its largest bucket). `gate`: a drafter's rounds pass the draft gate (`glance_rt.round.gate`;
-    False, `+always` in a name: draft every round). `lookup_budget`: rows a round whose lookup chain
-    fills the tree verifies, the chain alone, no draft pass (None: `DEFAULT_LOOKUP_BUDGET` within the
+    applies, 0: none). `backend`: eager, compile or plain (None: `default_backend` of the target's
+    device). `engine`: a built engine's folder (its manifest fixes the budget buckets, chain and
+    shapes; the backend is the engine's; `tree_budget` None: its largest bucket). `gate`: a drafter's
+    rounds pass the draft gate (`glance_rt.round.gate`; False, `+always` in a name: draft every
+    round). `lookup_budget`: rows a round whose lookup chain fills the tree verifies, the chain alone,
+    no draft pass (None: `DEFAULT_LOOKUP_BUDGET` within the
     drafter's `max_depth`; `+lookup-L` in a name)."""
 
     kind: str = "tree"
     tree_budget: int | None = DEFAULT_TREE_BUDGET
     lookup: int | None = None
-    backend: str = "eager"
+    backend: str | None = None
     engine: str | None = None
     gate: bool = True
     lookup_budget: int | None = None
@@ -48,7 +58,7 @@ class Method:
             raise GlanceError(f"unknown method kind {self.kind!r}: choose one of {', '.join(KINDS)}")
         if self.tree_budget is None and self.engine is None:
             raise GlanceError("tree_budget=None means an engine's largest budget: give a budget or an engine")
-        if self.backend not in BACKENDS:
+        if self.backend is not None and self.backend not in BACKENDS:
             raise GlanceError(f"unknown backend {self.backend!r}: choose one of {', '.join(BACKENDS)} "
                               "(built engines run with --engine DIR)")
 
@@ -56,11 +66,13 @@ class Method:
     def parse(cls, text: str) -> "Method":
         """`ar`, `chain`, `tree-N`, `tree-N+lookup`, `tree-N+lookup-L` (lookup rounds of L rows) or
         `adaptive`, each optionally `+always` (no draft gate) and `@compile` or `@plain`
-        (`tree-8+lookup@compile`). A bare `tree-N` drafts with the drafter alone."""
+        (`tree-8+lookup@compile`; none: the device's default backend, `@eager` names eager). A bare
+        `tree-N` drafts with the drafter alone."""
         base, at, backend = text.strip().partition("@")
-        backend = backend if at else "eager"
-        if backend not in BACKENDS:
-            raise GlanceError(f"unknown backend in method {text!r}: use @{', @'.join(BACKENDS[1:])} or none (eager)")
+        backend = backend if at else None
+        if at and backend not in BACKENDS:
+            raise GlanceError(f"unknown backend in method {text!r}: use @{', @'.join(BACKENDS)} or none (the "
+                              "device's default)")
         always = base.endswith("+always") and base != "ar+always"
         base = base.removesuffix("+always") if always else base
         if base in ("ar", "chain", "adaptive"):
@@ -73,7 +85,7 @@ class Method:
             return cls(tree_budget=int(tree[5:]), lookup=DEFAULT_LOOKUP if extra else 0, backend=backend,
                        gate=not always, lookup_budget=lookup_budget)
         raise GlanceError(f"unknown method {text!r}: use ar, chain, tree-N, tree-N+lookup, tree-N+lookup-L or "
-                          "adaptive, each optionally +always (draft every round) and @compile or @plain")
+                          "adaptive, each optionally +always (draft every round) and @eager, @compile or @plain")
 
     @property
     def name(self) -> str:
@@ -85,7 +97,7 @@ class Method:
             base += "+always"
         if self.engine is not None:
             return f"{base}@engine:{Path(self.engine).name}"
-        return base if self.backend == "eager" else f"{base}@{self.backend}"
+        return base if self.backend is None else f"{base}@{self.backend}"
 
 
 def job_max_length(prompt_tokens: int, max_new_tokens: int, budgets=()) -> int:

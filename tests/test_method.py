@@ -6,13 +6,14 @@ import inspect
 import pytest
 
 import glance_rt
-from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_TREE_BUDGET, Method, job_max_length
+from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_TREE_BUDGET, Method, default_backend, job_max_length
 
 
 @pytest.mark.parametrize("text,want", [
     ("ar", Method(kind="ar", lookup=0)),
     ("chain@compile", Method(kind="chain", lookup=0, backend="compile")),
     ("tree-16", Method(tree_budget=16, lookup=0)),
+    ("tree-16@eager", Method(tree_budget=16, lookup=0, backend="eager")),
     ("tree-8+lookup@plain", Method(tree_budget=8, lookup=DEFAULT_LOOKUP, backend="plain")),
     ("adaptive@compile", Method(kind="adaptive", lookup=0, backend="compile")),
     ("tree-8+lookup-15+always@compile", Method(tree_budget=8, lookup=DEFAULT_LOOKUP, backend="compile", gate=False,
@@ -37,7 +38,7 @@ def test_api_cli_and_method_share_defaults():
 
     default = Method()
     assert (default.kind, default.tree_budget, default.lookup, default.backend) == ("tree", DEFAULT_TREE_BUDGET,
-                                                                                    None, "eager")
+                                                                                    None, None)
     assert default.name == f"tree-{DEFAULT_TREE_BUDGET}+lookup"
     params = inspect.signature(glance_rt.Decoder).parameters
     assert params["tree_budget"].default == DEFAULT_TREE_BUDGET and params["lookup"].default is None
@@ -47,6 +48,21 @@ def test_api_cli_and_method_share_defaults():
         assert opts["tree_budget"].default is None and opts["lookup"].default is None  # -> the defaults above
         assert opts["lookup_budget"].default is None and params["lookup_budget"].default is None
         assert opts["backend"].default == default.backend and opts["max_length"].default is None
+
+
+def test_the_default_backend_is_the_devices():
+    """No backend named: compiled CUDA-graph passes on a CUDA device, eager on a CPU; a decoder's method
+    name leaves out the default backend and names any other (`@eager` on a GPU), so it parses back to it."""
+    import torch
+
+    from tests.conftest import tiny_target
+
+    assert default_backend(torch.device("cuda", 0)) == default_backend("cuda") == "compile"
+    assert default_backend(torch.device("cpu")) == "eager"
+    target, _, _ = tiny_target("llama")
+    assert glance_rt.Decoder(target, None, max_length=64).backend.name == "eager"  # a CPU target
+    assert glance_rt.Decoder.from_method(Method.parse("ar@eager"), target, max_length=64).method_name == "ar"
+    assert Method.parse("ar").backend is None and Method.parse("ar@eager").backend == "eager"
 
 
 def test_default_lookup_applies_to_drafter_trees_only():

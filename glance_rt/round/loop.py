@@ -14,7 +14,7 @@ from torch import Tensor
 
 from glance_rt.engines.engine import load_engine
 from glance_rt.errors import GlanceError
-from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_MAX_LENGTH, DEFAULT_TREE_BUDGET, Method
+from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_MAX_LENGTH, DEFAULT_TREE_BUDGET, Method, default_backend
 from glance_rt.models.kernels import KernelTuner, kernel_summary
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
@@ -121,7 +121,8 @@ class Decoder:
     0: the drafter alone; None (default): `DEFAULT_LOOKUP` on a drafter's trees, 0 for chains and
     autoregression.
 
-    `backend` says how the passes run: "eager" (exact lengths, the reference), "compile" (the round's
+    `backend` says how the passes run (None: `default_backend` of the target's device, compile on
+    CUDA and eager on a CPU): "eager" (exact lengths, the reference), "compile" (the round's
     fixed-shape passes, `glance_rt.round.verify.StaticGraphs`, under `torch.compile(fullgraph=True)`,
     with CUDA graphs on a GPU; the prompt's prefill eagerly; `chunk` rows per drafter-context pass),
     or a `Backend` (an engine's: `Decoder.from_engine(DIR)`). Static passes attend over all
@@ -142,7 +143,7 @@ class Decoder:
     """
 
     def __init__(self, target, drafter=None, tree_budget=DEFAULT_TREE_BUDGET, chain: bool = False,
-                 max_length: int = DEFAULT_MAX_LENGTH, backend: "str | Backend" = "eager", chunk: int = 64,
+                 max_length: int = DEFAULT_MAX_LENGTH, backend: "str | Backend | None" = None, chunk: int = 64,
                  lookup: int | None = None, prepack: "bool | str | KernelTuner" = "auto",
                  gate: "bool | GateConfig | None" = None, lookup_budget: int | None = None):
         self.policy = tree_budget if isinstance(tree_budget, AdaptiveBudget) else None
@@ -155,6 +156,8 @@ class Decoder:
         check_budget(tree_budget)
         if max_length < 2:
             raise GlanceError(f"max_length must be at least 2, got {max_length}")
+        if backend is None:
+            backend = default_backend(target.device)
         self.backend = backend if isinstance(backend, Backend) else named_backend(backend, chunk)
         if lookup is None:
             lookup = DEFAULT_LOOKUP if drafter is not None and not chain else 0
@@ -243,7 +246,7 @@ class Decoder:
     @property
     def method_name(self) -> str:
         """What this decoder runs, in `Method.parse`'s words (`tree-8+lookup@compile`); an engine's
-        backend is named after the `@` (`tree-8+lookup@aoti`)."""
+        backend is named after the `@` (`tree-8+lookup@aoti`), unless it is the device's default."""
         base = "ar" if self.drafter is None else "chain" if self.chain else f"tree-{self.tree_budget}"
         if self.policy is not None:
             base = "adaptive"
@@ -252,7 +255,7 @@ class Decoder:
             base += "+lookup" if default else f"+lookup-{self.lookup_budget}"
         base += "+always" if self.drafter is not None and self.gate is None else ""
         backend = "plain" if self.backend.name == "eager" and self.plain else self.backend.name
-        return base if backend == "eager" else f"{base}@{backend}"
+        return base if backend == default_backend(self.target.device) else f"{base}@{backend}"
 
     def _lookup_budget(self, rows: int | None) -> int:
         """The rows a lookup round verifies (0: no lookup rounds)."""
