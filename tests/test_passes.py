@@ -16,12 +16,12 @@ NEW = 24
 
 
 def static_decoder(target, drafter, chunk: int, oracle=None, spy=None, **kw):
-    """A Decoder over StaticPasses whose graphs run eagerly (no compiler). With `oracle`, the real
-    draft graph still runs (writing the context cache) but the oracle's logits are drafted."""
+    """A Decoder over StaticPasses whose graphs run eagerly (no compiler), the device round's too. With
+    `oracle`, the real draft graph still runs (writing the context cache) but the oracle's logits are
+    drafted (in a device round as well: its graph drafts through `graphs.draft`)."""
 
     def fns(graphs):
-        f = {n: getattr(graphs, n) for n in GRAPHS}
-        draft = f["draft"]
+        draft = graphs.draft
 
         def wrapped(ctx, ctx_start, bonus, block_start):
             out = draft(ctx, ctx_start, bonus, block_start)
@@ -29,8 +29,8 @@ def static_decoder(target, drafter, chunk: int, oracle=None, spy=None, **kw):
                 spy.append(out)
             return out if oracle is None else oracle(None, 0, int(bonus), int(block_start))
 
-        f["draft"] = wrapped
-        return f
+        graphs.draft = wrapped
+        return {n: getattr(graphs, n) for n in (*GRAPHS, "round")}
 
     return glance_rt.Decoder(target, drafter, backend=Backend("static", static_passes(fns, chunk)), **kw)
 
@@ -217,8 +217,10 @@ def test_compile_backend_cuda_graphs_match_hf():
     ref = hf_greedy(target.hf_model, inputs, NEW)
     drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=3)
     dec = glance_rt.Decoder(target, drafter, tree_budget=8, max_length=256, backend="compile", chunk=8)
+    assert dec.device_round  # CUDA: drafted rounds run as one graph
     for _ in range(2):  # the second run replays the captured graphs
-        assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == ref
+        res = dec.generate(max_new_tokens=NEW, **inputs)
+        assert res.token_ids == ref and res.stats.timings["round"] > 0
 
 
 def test_warmup_compiles_every_bucket_up_front():
@@ -241,4 +243,70 @@ def test_warmup_compiles_every_bucket_up_front():
     assert warm - before == 5  # verify at 5, 8 and 9 rows, draft, context
     res = dec.generate(max_new_tokens=NEW, **inputs)
     assert res.token_ids == ref and {4, 8} <= set(res.stats.budgets) <= {4, 7, 8}
+    assert unique_graphs() == warm
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+@pytest.mark.parametrize("mode", ["tree-decoy", "chain-oracle", "drafter+lookup"])
+def test_device_rounds_equal_host_rounds(arch, mode):
+    """A drafted round as one graph (device tree, verify, acceptance, compaction, one copy back) commits
+    what the host-tree round commits, round for round: HF greedy's tokens, the same accepted lengths
+    (scattered accepted rows: compaction in the graph), budgets and draft passes."""
+    target, _, inputs, ref = case(arch)
+    p = inputs["input_ids"].shape[1]
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=2)
+    oracle = None if mode == "drafter+lookup" else OracleDrafter(p, ref, target.vocab_size, 4,
+                                                                 decoy=mode == "tree-decoy")
+    kw = {"tree_budget": 24, "lookup": 0} if mode == "tree-decoy" else {"tree_budget": 10, "lookup": 3}
+    kw = {"chain": True} if mode == "chain-oracle" else kw
+    runs = {}
+    for device_round in (False, True):
+        dec = static_decoder(target, drafter, chunk=5, oracle=oracle, max_length=256, gate=False,
+                             device_round=device_round, **kw)
+        res = runs[device_round] = dec.generate(max_new_tokens=NEW, **inputs)
+        assert res.token_ids == ref
+        assert (res.stats.timings["round"] > 0) == device_round and (res.stats.timings["tree"] > 0) != device_round
+    host, device = runs[False].stats, runs[True].stats
+    assert (device.accepted_lengths, device.budgets, device.draft_passes) == (host.accepted_lengths, host.budgets,
+                                                                               host.draft_passes)
+    assert device.root_entropy == pytest.approx(host.root_entropy, rel=1e-5)
+    if oracle is not None:
+        assert max(device.accepted_lengths) == 4  # whole blocks accepted (decoys: scattered rows compacted)
+
+
+def test_device_rounds_beside_the_gates_steps():
+    """Both kinds of round in one generation: the gate's autoregressive steps stay on the host (their
+    pending context rows reach the next device round's draft), drafted rounds run on the device; the
+    output is HF greedy's."""
+    target, _, inputs, ref = case("llama")
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=2)
+    dec = static_decoder(target, drafter, chunk=5, max_length=256, device_round=True)
+    res = dec.generate(max_new_tokens=NEW, **inputs)
+    assert res.token_ids == ref and res.stats.timings["round"] > 0
+    assert 0 < res.stats.draft_passes < res.stats.rounds  # some rounds were the gate's one-row steps
+
+
+def test_device_round_needs_static_passes_and_a_drafter():
+    target, _, _ = tiny_target("llama")
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=2)
+    for kw in ({"backend": "eager"}, {"backend": "compile", "drafter": None}):
+        with pytest.raises(glance_rt.GlanceError, match="device_round"):
+            glance_rt.Decoder(target, kw.pop("drafter", drafter), max_length=128, device_round=True, **kw)
+    assert not glance_rt.Decoder(target, drafter, max_length=128, backend="compile").device_round  # a CPU: host trees
+
+
+def test_compile_device_rounds_never_recompile():
+    """The round graph compiled (fullgraph, one per drafted budget, built by warmup): new prompts add no
+    graph, and the tokens are HF greedy's."""
+    torch._dynamo.reset()
+    target, model, processor = tiny_target("llama")
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=3)
+    dec = glance_rt.Decoder(target, drafter, tree_budget=6, max_length=256, backend="compile", chunk=8,
+                            device_round=True)
+    dec.warmup()
+    warm = unique_graphs()
+    for prompt, new in [("Hi", 30), ("Count the objects, then name their colours, one by one.", 20)]:
+        inputs = make_inputs("llama", processor, prompt=prompt, seed=new)
+        res = dec.generate(max_new_tokens=new, **inputs)
+        assert res.token_ids == hf_greedy(model, inputs, new) and res.stats.timings["round"] > 0
     assert unique_graphs() == warm

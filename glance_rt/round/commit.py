@@ -3,6 +3,7 @@ and the compaction of the accepted rows' KV from scratch to their final cache ro
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from glance_rt.round.tree import Tree
 
@@ -21,6 +22,12 @@ def committed_tokens(tree: Tree, greedy: np.ndarray, path: list[int]) -> list[in
     """The accepted draft tokens plus the bonus (the target's argmax after the last accepted row).
     Each is the target's argmax given its exact prefix, so this is the greedy continuation."""
     return [int(tree.tokens[i]) for i in path[1:]] + [int(greedy[path[-1]])]
+
+
+def entropies(logits: Tensor) -> Tensor:
+    """Entropy (nats) of softmax of each row of logits [K, V] -> [K] float32 (on the device)."""
+    lp = torch.log_softmax(logits.float(), -1)
+    return -(lp.exp() * lp).sum(-1)
 
 
 def apply_stops(tokens: list[int], produced: int, max_new_tokens: int, eos_ids: frozenset, stop_strings=None,

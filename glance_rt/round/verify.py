@@ -25,7 +25,8 @@ from glance_rt.errors import GlanceError
 from glance_rt.models.drafter import GlanceDrafter, check_compatible
 from glance_rt.models.kernels import PREFILL_ROWS, KernelPlan
 from glance_rt.models.target import TargetDecoder
-from glance_rt.round.commit import accept, accept_path, compact
+from glance_rt.round.commit import accept, accept_path, compact, entropies
+from glance_rt.round.device_tree import build_tree_device, lookup_tensors
 from glance_rt.round.draft import DraftPass
 from glance_rt.round.passcheck import checked_plans
 from glance_rt.round.tree import max_depth
@@ -42,7 +43,7 @@ class EagerPasses:
     def rows_needed(self, prompt_len: int) -> int:
         return prompt_len
 
-    def warmup(self, budgets, chain: bool) -> None:
+    def warmup(self, budgets, chain: bool, rounds=()) -> None:
         """Nothing to compile: exact-length passes run as they come."""
 
     def prefill(self, embeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -77,6 +78,8 @@ class StaticGraphs(nn.Module):
         greedy [T] (the target's argmax per row), path [min(T, R)] (accepted rows, then -1; on the device)
     draft(ctx [R, F], ctx_start [], bonus [], block_start []) -> draft logits [B-1, V]
     context(ctx [C, F], ctx_start []) -> nothing (writes the drafter's context cache)
+    round(ctx, ctx_start, bonus, block_start, rope_delta [], lookup_chain [N], lookup_len [], chain) -> report
+        [2K+3] float64, accepted features [K, F]: a drafted round whole (`round`, K = min(N+1, R))
     """
 
     def __init__(self, verifier: TargetDecoder, draft_pass=None):
@@ -105,6 +108,42 @@ class StaticGraphs(nn.Module):
         self.draft_pass.context(ctx, ctx_start)
         return self._zero + 0  # exporters want an output
 
+    def round(self, ctx: Tensor, ctx_start: Tensor, bonus: Tensor, block_start: Tensor, rope_delta: Tensor,
+              lookup_chain: Tensor, lookup_len: Tensor, chain: bool = False) -> tuple[Tensor, Tensor]:
+        """A drafted round on the device, with no host sync, so one graph (one CUDA graph) runs it: the
+        draft pass, the tree of budget N = lookup_chain rows (`build_tree_device`, `build_tree`'s
+        arrays), verify, greedy acceptance and the commit's compaction of the accepted rows' KV.
+        -> report [2K+3] float64, the round's one device-to-host copy: the accepted rows (then -1),
+        the tokens of rows path[i] (K), the bonus (the target's argmax after the last accepted row),
+        the entropies of the root's and that row's distributions; and the accepted rows' features
+        [K, F] (rows past the path: copies of the root's), the next draft pass's context."""
+        draft_logits = self.draft(ctx, ctx_start, bonus, block_start)  # [B-1, V]
+        vocab = getattr(self.draft_pass, "draft_vocab", None)
+        tree = build_tree_device(draft_logits, bonus, lookup_chain.shape[0], chain, vocab, lookup_chain, lookup_len)
+        positions = (tree.depth + block_start + rope_delta)[None]  # [1, N+1]
+        if self.verifier.mrope:  # a text token's position is the same on all three axes
+            positions = positions[None].expand(3, 1, -1)
+        logits, feats, greedy, path = self.verify(tree.tokens, positions, block_start, tree.mask, tree.parent)
+        rows = path.clamp(min=0)  # [K]
+        last = rows.gather(0, (path >= 0).sum().sub(1).view(1))  # [1]: the last accepted row
+        ends = torch.cat([rows[:1], last])  # [2]: the root, the last accepted row
+        src = torch.where(path >= 0, block_start + path, block_start + torch.arange(path.shape[0], device=path.device))
+        self.verifier.cache.move_rows(src, block_start)  # the accepted rows' KV to [start, start + K)
+        report = torch.cat([path, tree.tokens.index_select(0, rows), greedy.index_select(0, last)])
+        return (torch.cat([report.double(), entropies(logits.index_select(0, ends)).double()]),
+                feats.index_select(0, rows))
+
+
+@dataclass(frozen=True)
+class DeviceRound:
+    """What the host learns of a round run on the device (`StaticPasses.round`)."""
+
+    path: list[int]  # accepted tree rows, root first
+    run: list[int]  # the committed tokens: the accepted rows' tokens, then the bonus
+    feats: Tensor  # [len(path), F] the accepted rows' features (on the device)
+    root_entropy: float  # of the target's distribution at the root
+    end_entropy: float  # ... at the last accepted row: the next round's prior
+
 
 @dataclass(frozen=True)
 class StaticShapes:
@@ -132,11 +171,17 @@ class StaticPasses:
         c = self.shapes.chunk
         return -(-prompt_len // c) * c  # padded prompt chunks (and context chunks) stay inside the cache
 
-    def warmup(self, budgets, chain: bool) -> None:
-        """Run every graph once at its fixed shape (a verify graph per budget bucket): compiles,
-        captures or loads each now. The rows they write are scratch, rewritten before any is read."""
+    @property
+    def has_round(self) -> bool:
+        """Whether a drafted round can run as one graph (`round`; engines have no such graph)."""
+        return "round" in self.fns
+
+    def warmup(self, budgets, chain: bool, rounds=()) -> None:
+        """Run every graph once at its fixed shape (a verify graph per budget bucket, a round graph per
+        drafted budget in `rounds`): compiles, captures or loads each now. The rows they write are
+        scratch, rewritten before any is read."""
         with torch.inference_mode():
-            for key, args in example_inputs(self.graphs, self.shapes, budgets, chain).items():
+            for key, args in example_inputs(self.graphs, self.shapes, budgets, chain, rounds).items():
                 fn = self.fns.get(key.split("-")[0])
                 if fn is not None:  # prefill may run eagerly (compiled_fns)
                     fn(*args)
@@ -175,14 +220,33 @@ class StaticPasses:
         return logits, feats, greedy.cpu().numpy(), path
 
     def draft(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int) -> Tensor:
+        return self.fns["draft"](*self._draft_args(ctx_feats, ctx_start, bonus, block_start))
+
+    def _draft_args(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int) -> tuple:
+        """Write all but the last 1..R pending context rows (a round's whole path) through the context
+        graph, in chunks of C rows (the prompt's context); -> the draft graph's inputs for the rest."""
         r, c = self.shapes.ctx_rows, self.shapes.chunk
         m = ctx_feats.shape[0]
-        tail = (m - 1) % r + 1  # the last 1..R context rows (a round's whole path) go with the block
-        for s in range(0, m - tail, c):  # the prompt's context: chunks of C rows
+        tail = (m - 1) % r + 1
+        for s in range(0, m - tail, c):
             chunk = ctx_feats[s : min(s + c, m - tail)]
             self.fns["context"](self._pad_rows(chunk, c, 0), self._t(ctx_start + s))
         ctx = self._pad_rows(ctx_feats[m - tail :], r, 0)  # [R, F]
-        return self.fns["draft"](ctx, self._t(ctx_start + m - tail), self._t(bonus), self._t(block_start))
+        return ctx, self._t(ctx_start + m - tail), self._t(bonus), self._t(block_start)
+
+    def round(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int, rope_delta: int, budget: int,
+              chain: bool, lookup: tuple[int, list[int]]) -> "DeviceRound":
+        """A drafted greedy round as one graph (`StaticGraphs.round`) and one device-to-host copy;
+        `lookup` the host's prompt-lookup match (n, chain), cut as `build_tree` cuts it."""
+        n_depth = self.shapes.block_size - 1
+        lookup_chain, lookup_len = lookup_tensors(lookup, n_depth, budget, chain, self.device)
+        report, feats = self.fns["round"](*self._draft_args(ctx_feats, ctx_start, bonus, block_start),
+                                          self._t(rope_delta), lookup_chain, lookup_len, chain)
+        host = report.tolist()  # the round's one device-to-host copy
+        k = feats.shape[0]
+        path = [int(i) for i in host[:k] if i >= 0]
+        run = [int(t) for t in host[k + 1 : k + len(path)]] + [int(host[2 * k])]
+        return DeviceRound(path, run, feats[: len(path)], host[2 * k + 1], host[2 * k + 2])
 
     def commit(self, path: list[int], start: int) -> None:
         if path != list(range(len(path))):
@@ -192,15 +256,17 @@ class StaticPasses:
 
 
 def compiled_fns(graphs: StaticGraphs) -> dict:
-    """The round's graphs (verify, draft, context) under torch.compile(fullgraph=True, dynamic=False):
-    one compiled frame per graph and shape (a verify per tree-budget bucket). On CUDA,
+    """The round's graphs (verify, draft, context, and a drafted round whole: `round`) under
+    torch.compile(fullgraph=True, dynamic=False): one compiled frame per graph and shape (a verify per
+    tree-budget bucket; a round graph per drafted budget, compiled only where a Decoder runs rounds on
+    the device). On CUDA,
     "reduce-overhead" replays each as a CUDA graph: the caches are module buffers (static addresses),
     the small inputs are copied in. The prompt's prefill runs once per prompt: it stays an eager
     exact-length pass (one GEMM over the whole prompt beats padded chunks that attend over every
     cache row; time to first token in docs/engines.md); engines, which have no
     eager model to fall back on, run it as chunks."""
     mode = "reduce-overhead" if graphs.verifier.embed_tokens.weight.is_cuda else None
-    names = GRAPHS[1:] if graphs.draft_pass is not None else GRAPHS[1:2]
+    names = (*GRAPHS[1:], "round") if graphs.draft_pass is not None else GRAPHS[1:2]
     return {n: torch.compile(getattr(graphs, n), fullgraph=True, dynamic=False, mode=mode) for n in names}
 
 
@@ -213,8 +279,9 @@ def verify_rows(budget: int, chain: bool, block_size: int) -> int:
     return (min(budget, block_size - 1) if chain else budget) + 1
 
 
-def example_inputs(graphs, shapes, budgets, chain: bool) -> dict:
-    """name -> example args of every graph to build (what fixes its shapes)."""
+def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
+    """name -> example args of every graph to build (what fixes its shapes); `rounds`: the drafted
+    budgets a round graph is built for."""
     v = graphs.verifier
     mrope = v.mrope
     dev, dtype = v.embed_tokens.weight.device, v.embed_tokens.weight.dtype
@@ -240,6 +307,10 @@ def example_inputs(graphs, shapes, budgets, chain: bool) -> dict:
         ctx = torch.zeros(r, feats, dtype=dtype, device=dev)
         out["draft"] = (ctx, zero(), zero(), torch.tensor(r, device=dev))
         out["context"] = (torch.zeros(c, feats, dtype=dtype, device=dev), zero())
+        for budget in rounds:
+            chain_t, len_t = lookup_tensors((0, []), b - 1, budget, chain, dev)
+            out[f"round-{budget}"] = (*out["draft"][:2], zero(), torch.tensor(r, device=dev), zero(), chain_t, len_t,
+                                      chain)
     return out
 
 
