@@ -178,3 +178,46 @@ def test_host_scores_stay_float32():
     scores float64 and their descendants' sums float64 too (then ties and orders could differ)."""
     lp = np.float32(-0.1)
     assert type(0.0 + lp) is np.float32 and type(-(0.0 + lp) - lp) is np.float32
+
+
+# ----------------------------------------------------------------------------- the Triton program (CUDA)
+
+
+@settings(max_examples=120, deadline=None)
+@given(seed=st.integers(0, 10**6), depth=st.integers(1, 16), n_vocab=st.integers(1, 50), budget=st.integers(1, 40),
+       kind=st.sampled_from(["ties", "halves", "normal", "nonfinite"]), mapped=st.booleans(),
+       ngram=st.integers(0, 8), length=st.integers(0, 24), hit=st.sampled_from([0.0, 0.7, 1.0]),
+       chain=st.booleans())
+def test_triton_search_equals_host(seed, depth, n_vocab, budget, kind, mapped, ngram, length, hit, chain):
+    """The CUDA implementation of glance::best_first (one Triton program), here through Triton's
+    interpreter: the host's arrays bit for bit, as build_tree_device hands it the draft's top-K."""
+    kernel = pytest.importorskip("glance_rt.plugins.best_first_triton", reason="triton is not installed")
+    from glance_rt.round.tree import draft_topk
+
+    logits = make_logits(seed, depth, n_vocab, kind)
+    vocab = np.random.default_rng(seed).permutation(4 * n_vocab + 7)[:n_vocab].astype(np.int64) if mapped else None
+    lookup = make_lookup(seed, logits, vocab, ngram, length, hit)
+    host = build_tree(logits, 5, budget, chain, vocab=vocab, lookup=lookup)
+    c, n = lookup_tensors(lookup, depth, budget, chain)
+    if chain:  # as build_tree_device hands a chain to the search: the top-1 path, no lookup
+        budget, c, n = min(budget, depth), torch.zeros(1, dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+    top_lp, top_ids = draft_topk(logits, 1 if chain else min(budget, n_vocab),
+                                 None if vocab is None else torch.from_numpy(vocab))
+    got = kernel.best_first(top_lp, top_ids, c, n, torch.tensor(5), budget)
+    for f, x in zip(FIELDS, got, strict=True):
+        np.testing.assert_array_equal(x.numpy(), getattr(host, f), err_msg=f)
+
+
+def test_triton_search_compiles_ahead_of_time():
+    """The tree program lowers to PTX and assembles for sm_90 at the paper's budgets, with no GPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json\nfrom glance_rt.plugins.best_first_triton import compile_aot\n"
+            "print(json.dumps([len(compile_aot(n, 15, n, n).asm['cubin']) for n in (8, 64)]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert all(n > 0 for n in json.loads(run.stdout))

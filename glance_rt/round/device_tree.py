@@ -27,6 +27,9 @@ runs on the host anyway. Nodes 1..L are the chain; grafted node i has parent i-1
 prefix (par, tok) is grafted node par+1 iff par < L and chain[par] == tok (the host's
 `grafted.get((par, tok))`), found by one gather.
 
+On CUDA the search runs as one Triton program (`glance::best_first`, plugins/best_first_triton.py):
+the same frontier, pops and scores in registers, tested against this module bit for bit.
+
 Not here (host-only, trivial): no drafter (`draft_logits is None`): the tree is the root alone.
 `budget == 0` is handled (the root alone). `vocab` must map columns to distinct ids (a draft
 vocabulary does); with repeated ids the host may pop a grafted node twice and run more pops.
@@ -77,9 +80,40 @@ def build_tree_device(draft_logits: Tensor, root: Tensor | int, budget: int, cha
         budget = min(budget, n_depth) if chain else budget
         lookup_chain = torch.zeros(1, dtype=torch.int64, device=device)
         lookup_len = torch.zeros((), dtype=torch.int64, device=device)
+    # on CUDA one Triton program (this module's loop of small ops would launch hundreds of kernels)
+    search = best_first_op if device.type == "cuda" else search_tree
+    return DeviceTree(*search(top_lp, top_ids, lookup_chain, lookup_len, root, budget))
+
+
+def search_tree(top_lp: Tensor, top_ids: Tensor, lookup_chain: Tensor, lookup_len: Tensor, root: Tensor,
+                budget: int) -> DeviceTree:
+    """The tree from the draft's top-K [D, K] (`draft_topk`): best-first search, the root, the mask."""
     tokens, parent, depth = best_first_device(top_lp, top_ids, budget, lookup_chain, lookup_len)
     tokens = torch.cat([root.reshape(1), tokens[1:]])
-    return _finish(tokens, parent, depth, min(budget, max(n_depth, lookup_chain.shape[0])))
+    return _finish(tokens, parent, depth, min(budget, max(top_lp.shape[0], lookup_chain.shape[0])))
+
+
+@torch.library.custom_op("glance::best_first", mutates_args=())
+def best_first_op(top_lp: Tensor, top_ids: Tensor, lookup_chain: Tensor, lookup_len: Tensor, root: Tensor,
+                  budget: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The tree's arrays (tokens, parent, depth [N+1], mask [N+1, N+1]) from the draft's top-K
+    [D, K]: `search_tree` here; on CUDA the Triton program of
+    `glance_rt/plugins/best_first_triton.py`, equal to it bit for bit."""
+    return tuple(search_tree(top_lp, top_ids, lookup_chain, lookup_len, root, budget))
+
+
+@best_first_op.register_kernel("cuda")
+def _(top_lp, top_ids, lookup_chain, lookup_len, root, budget):
+    from glance_rt.plugins.best_first_triton import best_first
+
+    return best_first(top_lp, top_ids, lookup_chain, lookup_len, root, budget)
+
+
+@best_first_op.register_fake
+def _(top_lp, top_ids, lookup_chain, lookup_len, root, budget):
+    n = budget + 1
+    ints = [top_lp.new_empty(n, dtype=torch.int64) for _ in range(3)]
+    return (*ints, top_lp.new_empty(n, n, dtype=torch.bool))
 
 
 def best_first_device(top_lp: Tensor, top_ids: Tensor, budget: int, lookup_chain: Tensor,
