@@ -1,6 +1,8 @@
 """`glance::TreeAttention` as a TensorRT plugin: the Python plugin API (`tensorrt.plugin`) with an
 ahead-of-time implementation, so engines carry the compiled Triton kernel
 (`tree_attention_triton.tree_attention_kernel`) as PTX and run in TensorRT's C++ runtime with no Python.
+It is the direct kernel, not the split-KV pair the torch op runs: an AOT implementation hands TensorRT
+one kernel and gets no workspace, so this plugin declares no scratch (docs/engines.md).
 
 Importing this module registers the plugin (do it before parsing ONNX). The ONNX parser maps a node
 to it by op_type "TreeAttention" with attribute plugin_namespace="glance"; `aot=1` on the node picks
