@@ -1,27 +1,40 @@
 """The GPU check: ONE script for a lent GPU machine (10 minutes at most), printing figures and writing
-them as JSON. Run it through `scripts/gpu_check.sh` there (it installs what travels with the tree).
+them as JSON. Run it through `scripts/gpu_check.sh` there (it installs what travels with the tree);
+docs/gpu_check.md says how, and what the JSON holds.
 
     python scripts/gpu_check.py --out DIR       # on the GPU machine
     python scripts/gpu_check.py --cpu           # here: every section at toy sizes on CPU (checks the script)
 
 Sections, in order, each under one deadline (a failure is recorded and the next section runs):
-  kernel    the Triton tree-attention kernel == the torch reference (fp32/fp16/bf16, GQA, a NaN tail that
-            must never be read); captured in a CUDA graph it follows prefix_len written on the device;
-            its time against the reference op at real shapes
-  lossless  tiny random models of every architecture in fp32: eager and compiled (CUDA graphs) GLANCE
-            give Hugging Face greedy's tokens; the compiled decoder takes new prompts with no recompile
-  timings   Qwen2.5-VL-3B's and -7B's text decoders (random weights: timing only) in bf16: AR step,
-            draft pass, verify at budgets 16-128 and a whole round, eager and compiled
-  tensorrt  when tensorrt imports: a TensorRT engine of a tiny model gives HF greedy's tokens
+  kernel     the Triton tree-attention kernel == the torch reference; captured in a CUDA graph it follows
+             prefix_len written on the device; its time against the reference op at real shapes
+  lossless   tiny random models of every architecture in fp32: eager (all) and compiled (--compile-archs)
+             GLANCE give Hugging Face greedy's tokens; the compiled decoder takes new prompts with no recompile
+  timings    Qwen2.5-VL-3B's and -7B's text decoders (random weights: timing only) in bf16: AR step, draft,
+             verify and round at --budgets, compiled (eager: the AR step); the 3B's top ops per pass
+             (torch profiler); HF generate's static-cache step on the same model; the ratios
+  gpu_tests  `pytest -m gpu` against the INSTALLED package (from a copy of tests/ outside the repository)
+  real       --target/--drafter on held-out prompts: GLANCE vs the same engine's AR vs HF static greedy,
+             bf16 and fp32: tokens/s, tau, exactness (counted)
+  tensorrt   when tensorrt imports: a TensorRT engine of a tiny model gives HF greedy's tokens
+
+Tools (no GPU): --plan (the wheels --prepare carries), --size, --split/--stage (weights in parts).
 """
 
 import argparse
+import hashlib
+import importlib.metadata
 import json
 import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -38,6 +51,237 @@ QWEN25_VL_7B_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_l
 TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            vocab_size=512, rope_theta=1e4, rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=4096)
 H200_BANDWIDTH = 4.8e12  # bytes/s (HBM3e)
+
+
+# ------------------------------------------------------------------------------- what travels (--prepare)
+
+GPU_PYTHON = "3.12"  # the GPU image's python3
+ROOT_EXTRAS = ("gguf",)  # glance-rt's extras the check imports (`real` loads GGUF targets)
+# On the GPU image: never carried (docs/gpu_check.md). Known versions (KINDS.md's pip list, the 2026-12-04
+# run): a package here is carried all the same when what the closure asks of it excludes this version.
+IMAGE_VERSIONS = {"numpy": "2.5.2", "tokenizers": "0.23.2", "safetensors": "0.8.0", "accelerate": "1.15.0",
+                  "huggingface-hub": "1.33.0", "transformers": "5.17.0"}
+IMAGE_TORCH = ("torch", "triton", "nvidia-", "cuda-")  # the image's CUDA torch stack (names or prefixes)
+# On the image, version not read, trusted: torch's own needs (a second copy under torch could break it)
+# and what the 2026-12-04 run imported from the image. The device's `env.unmet` lists any that fall short.
+IMAGE_ANY = ("filelock", "typing-extensions", "setuptools", "sympy", "mpmath", "networkx", "jinja2", "markupsafe",
+             "fsspec", "pillow", "packaging", "pyyaml", "typer", "requests", "urllib3", "certifi",
+             "charset-normalizer", "idna", "h11", "psutil")
+OPTIONAL = {"hf-xet": "huggingface_hub imports it only to download from the Hub (no network there)",
+            "kernels": "transformers imports it only where is_kernels_available() (Hub kernels: not used)"}
+# (package, dependency) pins left unmet on purpose: tokenizers 0.23.2 (the image's) pins huggingface-hub<2.0,
+# but calls it only to download; carrying tokenizers (3.2 MiB) would break the travel budget.
+ACCEPTED = {("tokenizers", "huggingface-hub"): "tokenizers calls the hub only to download"}
+TRAVEL_LIMIT = 60 * 2**20  # bytes: the tree + .gpu (the device tool takes 64 MiB a call)
+PART_BYTES = 20 * 2**20
+
+
+def canon(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def gpu_requirements(lines, extras=()) -> list:
+    """The requirements (Requires-Dist lines) that hold on the GPU machine, with `extras` asked for."""
+    from packaging.requirements import Requirement
+
+    env = dict(python_version=GPU_PYTHON, python_full_version=GPU_PYTHON + ".3", platform_machine="x86_64",
+               sys_platform="linux", platform_system="Linux", os_name="posix", implementation_name="cpython",
+               platform_python_implementation="CPython")
+    reqs = [Requirement(line) for line in lines]
+    return [r for r in reqs if r.marker is None or any(r.marker.evaluate({**env, "extra": e}) for e in ("", *extras))]
+
+
+def dependency_graph(root: str, extras, requires) -> dict:
+    """name -> [(dependency, specifier)] from `root` down, not into the image's torch stack."""
+    graph, todo = {}, [(canon(root), tuple(extras))]
+    while todo:
+        name, ex = todo.pop()
+        graph[name] = [(canon(r.name), str(r.specifier)) for r in gpu_requirements(requires(name) or [], ex)]
+        for r in gpu_requirements(requires(name) or [], ex):
+            dep = canon(r.name)
+            if dep not in graph and not dep.startswith(IMAGE_TORCH) and all(dep != n for n, _ in todo):
+                todo.append((dep, tuple(r.extras)))
+    return graph
+
+
+def image_reason(name: str, asked: list[str]) -> str | None:
+    """Why the image's copy of `name` serves (None: carry it). `asked`: the specifiers on it."""
+    from packaging.specifiers import SpecifierSet
+
+    if name.startswith(IMAGE_TORCH):
+        return "the image's CUDA torch stack"
+    if name in IMAGE_ANY:
+        return "on the image (version trusted)"
+    if name in OPTIONAL:
+        return "optional: " + OPTIONAL[name]
+    v = IMAGE_VERSIONS.get(name)
+    if v is not None and all(SpecifierSet(s).contains(v, prereleases=True) for s in asked):
+        return f"on the image at {v}"
+    return None
+
+
+def wheel_plan(root="glance-rt", extras=ROOT_EXTRAS, requires=None, version=None) -> tuple[dict, dict]:
+    """(carried: name -> this venv's version, excluded: name -> why): the closure of what `root` needs
+    on the GPU machine, less what its image provides (importlib.metadata of this venv by default)."""
+    requires, version = requires or importlib.metadata.requires, version or importlib.metadata.version
+    graph = dependency_graph(root, extras, requires)
+    asked = {}
+    for deps in graph.values():
+        for dep, spec in deps:
+            asked.setdefault(dep, []).append(spec)
+    excluded = {n: why for n in sorted(asked) if (why := image_reason(n, asked[n]))}
+    carried, todo = {}, [canon(root)]
+    while todo:  # only what a carried package needs: not what an excluded one alone needs
+        for dep, _ in graph.get(todo.pop(), []):
+            if dep not in excluded and dep not in carried:
+                carried[dep] = version(dep)
+                todo.append(dep)
+    return dict(sorted(carried.items())), excluded
+
+
+def unmet_requirements(carried) -> list[str]:
+    """What glance-rt and the `carried` packages ask, or the image's packages ask of a carried one, and
+    this environment does not meet (read on the GPU machine after the install; ACCEPTED left out)."""
+    graph = dependency_graph("glance-rt", ROOT_EXTRAS, _requires)
+    mine = set(carried) | {"glance-rt"}
+    out = []
+    for name, deps in graph.items():
+        for dep, spec in deps:
+            if dep.startswith(IMAGE_TORCH) or not (name in mine or dep in mine):
+                continue
+            try:
+                have = importlib.metadata.version(dep)
+            except importlib.metadata.PackageNotFoundError:
+                have = None
+            if have is None and dep not in OPTIONAL:
+                out.append(f"{name} needs {dep}{spec}: not installed")
+            elif have is not None and spec and not _contains(spec, have) and (name, dep) not in ACCEPTED:
+                out.append(f"{name} needs {dep}{spec}: {have} installed")
+    return out
+
+
+def carried_names() -> list[str]:
+    """The carried wheels' names (.gpu/plan.json, written by --prepare)."""
+    plan = ROOT / ".gpu" / "plan.json"
+    return list(json.loads(plan.read_text())["carried"]) if plan.is_file() else []
+
+
+def _requires(name):
+    try:
+        return importlib.metadata.requires(name)
+    except importlib.metadata.PackageNotFoundError:
+        return []
+
+
+def _contains(spec: str, version: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(spec).contains(version.split("+")[0], prereleases=True)
+
+
+def tree_bytes(root: Path = ROOT) -> int:
+    """Bytes of the working tree that travels: tracked files and untracked ones git does not ignore."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                         capture_output=True, check=True).stdout
+    return sum(p.stat().st_size for n in set(out.split(b"\0")) if n and (p := root / os.fsdecode(n)).is_file())
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes under `path` (.gpu), less parts/: parts travel one call at a time (--split)."""
+    files = [f for f in Path(path).rglob("*") if f.is_file() and "parts" not in f.relative_to(path).parts[:1]]
+    return sum(f.stat().st_size for f in files)
+
+
+def check_size(tree: int, gpu: int, limit: int = TRAVEL_LIMIT) -> str:
+    """The travel line; SystemExit when tree + .gpu is over `limit`."""
+    mib = 2**20
+    line = f"travels: tree {tree / mib:.1f} MiB + .gpu {gpu / mib:.1f} MiB = {(tree + gpu) / mib:.1f} MiB"
+    if tree + gpu > limit:
+        raise SystemExit(f"{line}: over the {limit / mib:.0f} MiB budget (the device tool takes 64 MiB a call): "
+                         "carry fewer wheels, or stage big files in parts (--split)")
+    return f"{line} (budget {limit / mib:.0f} MiB)"
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def split_file(path: Path, out: Path, part_bytes: int = PART_BYTES) -> dict:
+    """`path` as parts of at most `part_bytes` under `out`, with NAME.manifest.json (sha256 of each
+    part and of the whole)."""
+    path, out = Path(path), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob(f"{path.name}.part*"):  # an earlier split's
+        old.unlink()
+    parts = []
+    with open(path, "rb") as f:
+        for i, data in enumerate(iter(lambda: f.read(part_bytes), b"")):
+            part = out / f"{path.name}.part{i:03d}"
+            part.write_bytes(data)
+            parts.append({"file": part.name, "sha256": hashlib.sha256(data).hexdigest()})
+    manifest = {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256(path), "parts": parts}
+    (out / f"{path.name}.manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def stage_parts(src: Path, stage: Path) -> list[str]:
+    """Copy the parts and manifests this call carried (`src`) into `stage`, kept between calls."""
+    stage.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for f in sorted(Path(src).glob("*")) if Path(src).is_dir() else []:
+        shutil.copyfile(f, stage / f.name)
+        copied.append(f.name)
+    return copied
+
+
+def assemble(stage: Path) -> dict:
+    """name -> its path once joined and checked, or what is still missing or wrong."""
+    out = {}
+    for mf in sorted(Path(stage).glob("*.manifest.json")):
+        m = json.loads(mf.read_text())
+        dest = Path(stage) / m["name"]
+        if dest.is_file() and dest.stat().st_size == m["bytes"] and sha256(dest) == m["sha256"]:
+            out[m["name"]] = str(dest)
+            continue
+        bad = [p["file"] for p in m["parts"] if not (Path(stage) / p["file"]).is_file()
+               or sha256(Path(stage) / p["file"]) != p["sha256"]]
+        if bad:
+            out[m["name"]] = "missing or corrupt parts: " + ", ".join(bad)
+            continue
+        with open(dest, "wb") as f:
+            for p in m["parts"]:
+                f.write((Path(stage) / p["file"]).read_bytes())
+        out[m["name"]] = str(dest) if sha256(dest) == m["sha256"] else "joined file's sha256 differs"
+    return out
+
+
+def tool_main(args) -> bool:
+    """The modes that measure nothing (--prepare's helpers, staging). True when one ran."""
+    if args.plan:
+        carried, excluded = wheel_plan()
+        Path(args.plan).write_text(json.dumps({"carried": carried, "excluded": excluded}, indent=1))
+        print("\n".join(f"{n}=={v}" for n, v in carried.items()))
+    elif args.size:
+        print(check_size(tree_bytes(), folder_bytes(args.size)))
+    elif args.split:
+        tree = tree_bytes()
+        part = int(args.part_mib * 2**20) if args.part_mib else min(PART_BYTES, (TRAVEL_LIMIT - tree) // 2**20 * 2**20)
+        m = split_file(args.split, ROOT / ".gpu" / "parts", part)
+        print(f"{m['name']}: {len(m['parts'])} parts of {part / 2**20:.0f} MiB under .gpu/parts/ (one a call)")
+        print("a staging call", check_size(tree, part + 4096))
+    elif args.stage:
+        print("staged:", stage_parts(ROOT / ".gpu" / "parts", Path(args.stage)))
+        print(json.dumps(assemble(Path(args.stage)), indent=1))
+    else:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------------------------------------ the run
 
 
 class Run:
@@ -210,8 +454,10 @@ def lossless_section(run: Run) -> dict:
 
     dev, res = run.device, {}
     archs = ARCHS if not run.args.cpu else ["llama", "qwen2_5_vl"]
-    for backend in ("eager", "compile"):
-        for arch in archs:
+    wanted = run.args.compile_archs.split(",")
+    compiled = archs if wanted == ["all"] else [a for a in archs if a in wanted]
+    for backend, backend_archs in (("eager", archs), ("compile", compiled)):
+        for arch in backend_archs:
             if run.left() < run.args.reserve:  # the timings need their time too
                 res[f"{arch}/{backend}"] = "skipped: deadline"
                 continue
@@ -224,15 +470,18 @@ def lossless_section(run: Run) -> dict:
             vlm = arch in VLM_ARCHS
             prompts = [("Describe it.", 1 if vlm else 0, 24), ("Hi", 0, 30),
                        ("Count the objects, then name their colours.", 2 if vlm else 0, 20)]
-            ok, graphs = True, []
+            ok, graphs, device_rounds = True, [], 0
             for prompt, n_images, new in prompts:
                 inputs = make_inputs(arch, processor, prompt=prompt, n_images=n_images, seed=new)
                 inputs = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-                ok &= dec.generate(max_new_tokens=new, **inputs).token_ids == hf_greedy(model, inputs, new)
+                out = dec.generate(max_new_tokens=new, **inputs)
+                ok &= out.token_ids == hf_greedy(model, inputs, new)
+                device_rounds += out.stats.draft_passes if out.stats.timings["round"] > 0 else 0
                 graphs.append(unique_graphs())
             entry = {"tokens_equal_hf": ok, "s": round(time.perf_counter() - t, 1)}
             if backend == "compile":
                 entry["recompiles_after_first_prompt"] = graphs[-1] - graphs[0]
+                entry["device_rounds"] = device_rounds  # drafted rounds run as one graph (default on CUDA)
             res[f"{arch}/{backend}"] = entry
             print(arch, backend, entry, flush=True)
     res["all_equal_hf"] = all(e["tokens_equal_hf"] for e in res.values() if isinstance(e, dict))
@@ -260,83 +509,270 @@ def build_target(cfg: dict, dtype, device):
     return glance_rt.load_target(model, dtype=str(dtype).removeprefix("torch."), device=str(device))
 
 
-def pass_figures(run: Run, target, drafter, backend: str, budgets) -> dict:
-    """Latencies of one round's passes at a `--context`-row prefix."""
+def pass_fns(run: Run, target, drafter, backend: str, budgets) -> dict:
+    """name -> one call of each pass at a `--context`-row prefix, on ONE decoder (one compile of each
+    graph: the AR step is its one-row verify, the step the draft gate takes): ar_step, draft,
+    verify_N, round_N (the host tree between the passes) and, where the decoder runs rounds on the
+    device (compile on CUDA), device_round_N (one graph, one copy back)."""
     import glance_rt
     from glance_rt.round.tree import build_tree
 
-    args, dev, fig = run.args, run.device, {}
-    prompt = torch.randint(0, target.vocab_size, (1, args.context), device=dev)
-    max_length = args.context + args.new_tokens + max(budgets) + 64
-    ar = glance_rt.Decoder(target, None, max_length=max_length, backend=backend)
-    pre = target.prefill_inputs({"input_ids": prompt})
-    ar.passes.prefill(pre.embeds[None].to(target.dtype), pre.positions[None].to(dev))
-    one = torch.ones(1, 1, dtype=torch.bool, device=dev)
-    tok = torch.zeros(1, dtype=torch.long, device=dev)
-    pos = torch.tensor([[args.context]], device=dev)
+    args, dev = run.args, run.device
+    ctx = args.context
+    dec = glance_rt.Decoder(target, drafter, tree_budget=max(budgets), max_length=ctx + max(budgets) + 128,
+                            backend=backend, lookup=0, gate=False,
+                            device_round=True if run.args.cpu and backend == "compile" else None)  # --cpu: check it
+    pre = target.prefill_inputs({"input_ids": torch.randint(0, target.vocab_size, (1, ctx), device=dev)})
+    _, feats = dec.passes.prefill(pre.embeds[None].to(target.dtype), pre.positions[None].to(dev))
+    dec.passes.draft(feats, 0, 0, ctx)  # the prompt's context, once
+    last = feats[-1:]
+
+    def draft():
+        return dec.passes.draft(last, ctx - 1, 0, ctx)
+
+    def verify(tree):
+        t = lambda x: torch.from_numpy(x).to(dev)  # noqa: E731
+        return dec.passes.verify(tree, t(tree.tokens), (t(tree.depth) + ctx)[None], ctx, t(tree.mask))
+
+    def round_(budget):
+        dec.passes.commit(verify(build_tree(draft(), 0, budget))[3], ctx)
+
+    def device_round(budget):  # draft, tree, verify, accept, compact: one graph, one copy back
+        return dec.passes.round(last, ctx - 1, 0, ctx, 0, budget, False, (0, []))
+
     root = build_tree(None, 0, 0)
-    fig["ar_step_ms"] = 1e3 * run.timed(lambda step=ar.passes.verify: step(root, tok, pos, args.context, one))
-    ar = None  # its caches go before the tree decoders' come
-    for budget in budgets:
-        if run.left() < 60:
-            fig[f"verify_{budget}"] = "skipped: deadline"
+    fns = {"ar_step": lambda: verify(root), "draft": draft}
+    for b in budgets:
+        tree = build_tree(draft(), 0, b)
+        fns[f"verify_{b}"] = lambda tree=tree: verify(tree)
+        fns[f"round_{b}"] = lambda b=b: round_(b)  # the host tree between the passes
+        if dec.device_round:
+            fns[f"device_round_{b}"] = lambda b=b: device_round(b)
+    return fns
+
+
+def pass_figures(run: Run, fns: dict) -> dict:
+    """Median ms of each pass, until the deadline's floor."""
+    fig = {}
+    for name, fn in fns.items():
+        if run.left() < run.args.floor:
+            fig[name] = "skipped: deadline"
             continue
-        dec = glance_rt.Decoder(target, drafter, tree_budget=budget, max_length=max_length, backend=backend)
-        _, feats = dec.passes.prefill(pre.embeds[None].to(target.dtype), pre.positions[None].to(dev))
-        dec.passes.draft(feats, 0, 0, args.context)  # the prompt's context, once
-        ctx = feats[-1:]
+        fig[name + "_ms"] = 1e3 * run.timed(fn)
+    return fig
 
-        def draft(dec=dec, ctx=ctx):
-            return dec.passes.draft(ctx, args.context - 1, 0, args.context)
 
-        tree = build_tree(draft(), 0, budget)
-        tokens, mask = torch.from_numpy(tree.tokens).to(dev), torch.from_numpy(tree.mask).to(dev)
-        positions = (torch.from_numpy(tree.depth).to(dev) + args.context)[None]
+def profile_table(run: Run, fns: dict, rows: int = 15, reps: int = 5) -> dict:
+    """The top ops of each pass by device time (CPU time without a GPU) over `reps` calls."""
+    from torch.profiler import ProfilerActivity, profile
 
-        def round_(dec=dec, budget=budget, positions=positions, draft=draft):
-            t = build_tree(draft(), 0, budget)
-            _, _, _, path = dec.passes.verify(t, torch.from_numpy(t.tokens).to(dev), positions, args.context,
-                                              torch.from_numpy(t.mask).to(dev))
-            dec.passes.commit(path, args.context)
+    cuda = run.device.type == "cuda"
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    out = {"reps": reps, "by": key}
+    for name, fn in fns.items():
+        fn()
+        run.sync()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            for _ in range(reps):
+                fn()
+            run.sync()
+        top = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:rows]
+        out[name] = [{"name": e.key[:100], "calls": e.count, "total_us": round(getattr(e, key), 1)} for e in top]
+    return out
 
-        fig["draft_ms"] = 1e3 * run.timed(draft)
-        fig[f"verify_{budget}_ms"] = 1e3 * run.timed(
-            lambda dec=dec, tree=tree, tokens=tokens, positions=positions, mask=mask:
-            dec.passes.verify(tree, tokens, positions, args.context, mask))
-        fig[f"round_{budget}_ms"] = 1e3 * run.timed(round_)
-        del dec
+
+def hf_step(run: Run, target, short: int = 16, long: int = 48) -> dict:
+    """HF generate's per-step ms on the same model (static cache: transformers compiles the step on a
+    GPU), from the difference of two generation lengths after a warm-up."""
+    model, ctx = target.hf_model, run.args.context
+    ids = torch.randint(0, target.vocab_size, (1, ctx), device=run.device)
+
+    def gen(n):
+        run.sync()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, cache_implementation="static", max_cache_len=ctx + long + 8)
+        run.sync()
+        return time.perf_counter() - t
+
+    t = time.perf_counter()
+    gen(8), gen(8)  # compiles (on a GPU)
+    warm = time.perf_counter() - t
+    a, b = min(gen(short) for _ in range(2)), min(gen(long) for _ in range(2))
+    return {"step_ms": 1e3 * (b - a) / (long - short), "warmup_s": round(warm, 1)}
+
+
+def bandwidth_bound_ms(target, context: int, dtype) -> float:
+    """The AR step's floor: every weight and the prefix's KV rows read once at H200 bandwidth."""
+    text = target.parts
+    weight_bytes = sum(p.numel() * p.element_size() for p in text.text_model.parameters())
+    if text.lm_head.weight.data_ptr() != text.text_model.embed_tokens.weight.data_ptr():
+        weight_bytes += text.lm_head.weight.numel() * text.lm_head.weight.element_size()
+    c = target.text_config
+    kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * context
+    kv_bytes *= (c.hidden_size // c.num_attention_heads) * (torch.finfo(dtype).bits // 8)
+    return 1e3 * (weight_bytes + kv_bytes) / H200_BANDWIDTH
+
+
+def ratios(fig: dict) -> dict:
+    """ar_step / bound, hf_static / ar_step, verify_N / ar_step, round_N and device_round_N / ar_step
+    (compiled)."""
+    c = fig.get("compile", {})
+    ar = c.get("ar_step_ms")
+    if not isinstance(ar, float):
+        return {}
+    out = {"ar_step/bound": ar / fig["ar_bandwidth_bound_ms"]}
+    hf = fig.get("hf_static", {}).get("step_ms") if isinstance(fig.get("hf_static"), dict) else None
+    if hf:
+        out["hf_static/ar_step"] = hf / ar
+    for k, v in c.items():
+        if k.startswith(("verify_", "round_", "device_round_")) and isinstance(v, float):
+            out[f"{k.removesuffix('_ms')}/ar_step"] = v / ar
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+def model_figures(run: Run, cfg: dict, dtype, budgets, profile: bool) -> dict:
+    import glance_rt
+
+    torch._dynamo.reset()
+    target = build_target(cfg, dtype, run.device)
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=16).to(dtype)
+    fig = {"context": run.args.context, "dtype": str(dtype),
+           "ar_bandwidth_bound_ms": bandwidth_bound_ms(target, run.args.context, dtype)}
+    eager = pass_fns(run, target, drafter, "eager", budgets)
+    fig["eager"] = pass_figures(run, eager if run.args.eager_passes else {"ar_step": eager["ar_step"]})
+    del eager
+    t = time.perf_counter()
+    fns = pass_fns(run, target, drafter, "compile", budgets)
+    fig["compile"] = pass_figures(run, fns)
+    fig["compile"]["wall_s"] = round(time.perf_counter() - t, 1)
+    print("compile", json.dumps(fig["compile"]), flush=True)
+    if profile and run.left() > run.args.floor:
+        b = 64 if 64 in budgets else max(budgets)
+        keys = ("ar_step", "draft", f"verify_{b}", f"round_{b}", f"device_round_{b}")
+        fig["profile"] = profile_table(run, {k: fns[k] for k in keys if k in fns})
+    del fns
+    fig["hf_static"] = hf_step(run, target) if run.left() > run.args.floor else "skipped: deadline"
+    fig["ratios"] = ratios(fig)
+    print(json.dumps({k: fig[k] for k in ("eager", "hf_static", "ratios")}), flush=True)
     return fig
 
 
 def timings_section(run: Run) -> dict:
-    import glance_rt
-
     res = {}
     dtype = torch.float32 if run.args.cpu else torch.bfloat16
     models = {"toy": TOY} if run.args.cpu else {"qwen2.5-vl-3b": QWEN25_VL_3B_TEXT, "qwen2.5-vl-7b": QWEN25_VL_7B_TEXT}
-    budgets = [4, 8] if run.args.cpu else [16, 32, 64, 128]
-    for name, cfg in models.items():
-        if run.left() < 150:
+    budgets = [int(b) for b in run.args.budgets.split(",")]
+    for i, (name, cfg) in enumerate(models.items()):
+        later = len(models) - i - 1  # models after this one: each needs --model-floor seconds
+        if run.left() < run.args.model_floor:
             res[name] = "skipped: deadline"
             continue
-        target = build_target(cfg, dtype, run.device)
-        drafter = glance_rt.init_drafter(target, num_layers=1, block_size=16).to(dtype)
-        fig = {"context": run.args.context, "dtype": str(dtype)}
-        for backend in ("eager", "compile"):
-            torch._dynamo.reset()
-            t = time.perf_counter()
-            fig[backend] = pass_figures(run, target, drafter, backend, budgets)
-            fig[backend]["wall_s"] = round(time.perf_counter() - t, 1)
-            print(name, backend, json.dumps(fig[backend]), flush=True)
-        text = target.parts
-        weight_bytes = sum(p.numel() * p.element_size() for p in text.text_model.parameters())
-        if text.lm_head.weight.data_ptr() != text.text_model.embed_tokens.weight.data_ptr():
-            weight_bytes += text.lm_head.weight.numel() * text.lm_head.weight.element_size()
-        c = target.text_config
-        kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * run.args.context
-        kv_bytes *= (c.hidden_size // c.num_attention_heads) * (torch.finfo(dtype).bits // 8)
-        fig["ar_bandwidth_bound_ms"] = 1e3 * (weight_bytes + kv_bytes) / H200_BANDWIDTH
-        res[name] = fig
+        spare = [int(b) for b in run.args.spare_budgets.split(",") if b]
+        extra = spare if run.left() > run.args.model_floor * later + 260 else []  # this model, spares, gpu_tests
+        res[name] = model_figures(run, cfg, dtype, sorted(set(budgets + extra)), profile=i == 0)
+        if run.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return res
+
+
+# --------------------------------------------------------------------------------------------- gpu tests
+
+
+def gpu_tests_section(run: Run) -> dict:
+    """`pytest -m gpu` over the gpu-marked test files, from a copy of tests/ outside the repository, so
+    `glance_rt` is the INSTALLED package (the root's glance_rt/ lacks engines/, export/, plugins/)."""
+    files = sorted(f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
+    work = Path(tempfile.mkdtemp(prefix="glance-gpu-tests-"))
+    shutil.copytree(ROOT / "tests", work / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", work)  # the markers
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rs",
+           "--continue-on-collection-errors", *files]
+    timeout = max(30, min(run.args.tests_timeout, int(run.left() - 10)))
+    try:
+        done = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return {"status": f"timed out after {timeout} s", "files": files, "tail": str(e.stdout or "")[-1500:]}
+    print(done.stdout[-3000:], done.stderr[-1500:])
+    lines = done.stdout.strip().splitlines()
+    return {"status": "passed" if done.returncode == 0 else f"failed (rc {done.returncode})", "files": files,
+            "summary": lines[-1] if lines else "", "tail": done.stdout[-1500:]}
+
+
+# -------------------------------------------------------------------------------------------------- real
+
+
+def hf_static_runner(target, max_new_tokens: int, max_length: int):
+    """HF greedy generate with its static cache (compiled by transformers on a GPU), one size for all."""
+
+    def run(inputs):
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = target.hf_model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                           eos_token_id=sorted(target.eos_token_ids) or None,
+                                           cache_implementation="static", max_cache_len=max_length)
+        return out[0, inputs["input_ids"].shape[1]:].tolist(), time.perf_counter() - t, None, None
+
+    return run
+
+
+def real_figures(run: Run, target, drafter, rows: list, reference: str) -> dict:
+    """GLANCE (--method), the same engine's AR and HF static-cache greedy on `rows`: tokens/s, tau,
+    and how many outputs equal `reference`'s ("hf" or "ar"), counted not gated."""
+    from glance_rt.method import Method
+    from glance_rt.tools.bench import BenchConfig, make_runner, suite_max_length
+    from glance_rt.tools.suites import encode_rows
+
+    a = run.args
+    encoded = encode_rows(target, rows)
+    ar = Method(kind="ar", lookup=0, backend=Method.parse(a.method).backend).name  # the same engine's AR
+    cfg = BenchConfig(methods=("hf", ar, a.method), max_new_tokens=a.real_new_tokens)
+    cfg = replace(cfg, max_length=suite_max_length(encoded, cfg))
+    runners = {"hf_static": hf_static_runner(target, cfg.max_new_tokens, cfg.max_length),
+               "ar": make_runner(ar, target, drafter, cfg),
+               "glance": make_runner(a.method, target, drafter, cfg)}
+    for r in runners.values():  # warm-up: HF compiles its step here
+        r(encoded[0])
+    tokens, seconds, taus, same = dict.fromkeys(runners, 0), dict.fromkeys(runners, 0.0), [], {}
+    for inputs in encoded:
+        if run.left() < a.floor:
+            break
+        ids = {}
+        for m, r in runners.items():
+            ids[m], s, _, stats = r(inputs)
+            tokens[m], seconds[m] = tokens[m] + len(ids[m]), seconds[m] + s
+            if m == "glance":
+                taus.append(stats.tau)
+        ref = ids["hf_static" if reference == "hf" else "ar"]
+        for m in runners:
+            same[m] = same.get(m, 0) + (ids[m] == ref)
+    n = len(taus)
+    return {"prompts": n, "method": a.method, "reference": reference, "max_new_tokens": a.real_new_tokens,
+            "tok_s": {m: round(tokens[m] / seconds[m], 1) for m in runners if seconds[m]},
+            "tau": round(statistics.mean(taus), 3) if taus else None,
+            "equal_reference": {m: f"{same.get(m, 0)}/{n}" for m in runners}}
+
+
+def real_section(run: Run) -> dict:
+    """A real target and drafter (--target, --drafter) on held-out prompts, bf16 and fp32."""
+    import glance_rt
+    from glance_rt.tools.suites import suite_rows
+
+    a = run.args
+    if not a.target:
+        return {"status": "not run: no --target"}
+    rows = suite_rows(a.suite, a.per_kind)[: a.prompts]
+    res = {}
+    for dtype, reference in (("bfloat16", "ar"), ("float32", "hf")):
+        if run.left() < a.model_floor:
+            res[dtype] = "skipped: deadline"
+            continue
+        torch._dynamo.reset()
+        target = glance_rt.load_target(a.target, dtype=dtype, device=str(run.device))
+        drafter = glance_rt.load_drafter(a.drafter, target)
+        res[dtype] = real_figures(run, target, drafter, rows, reference)
+        print(dtype, json.dumps(res[dtype]), flush=True)
         del target, drafter
         if run.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -363,54 +799,98 @@ def tensorrt_section(run: Run) -> dict:
 
 def summary(report: dict) -> None:
     print("\n== summary")
+    env = report.get("env", {})
+    print("unmet requirements:", env.get("unmet") or "none")
     k = report.get("kernel", {})
     print("kernel max |error| vs reference:", k.get("max_abs_error"), "| CUDA graph follows prefix_len:",
           k.get("cuda_graph_follows_prefix_len"))
     lo = report.get("lossless", {})
     print("lossless: all == HF:", lo.get("all_equal_hf"), "| no recompiles:", lo.get("no_recompiles"))
+    print("gpu tests:", report.get("gpu_tests", {}).get("status"), report.get("gpu_tests", {}).get("summary", ""))
     for name, fig in report.get("timings", {}).items():
-        if not isinstance(fig, dict) or "eager" not in fig:
+        if not isinstance(fig, dict) or "compile" not in fig:
             continue
         for backend in ("eager", "compile"):
-            f = fig[backend]
-            cells = "  ".join(f"{k.removesuffix('_ms')} {v:.2f}" for k, v in f.items()
+            cells = "  ".join(f"{k.removesuffix('_ms')} {v:.2f}" for k, v in fig[backend].items()
                               if k.endswith("_ms") and isinstance(v, float))
             print(f"{name:14} {backend:8} ms: {cells}")
-        print(f"{name:14} AR bandwidth bound {fig['ar_bandwidth_bound_ms']:.2f} ms")
+        hf = fig.get("hf_static")
+        hf = f"{hf['step_ms']:.2f} ms" if isinstance(hf, dict) else hf
+        print(f"{name:14} AR bandwidth bound {fig['ar_bandwidth_bound_ms']:.2f} ms | HF static step {hf}")
+        print(f"{name:14} ratios: " + "  ".join(f"{k} {v:.2f}" for k, v in fig.get("ratios", {}).items()))
+    for dtype, fig in report.get("real", {}).items():
+        if isinstance(fig, dict):
+            print(f"real {dtype}: tok/s {fig['tok_s']} | tau {fig['tau']} | == {fig['reference']}: "
+                  f"{fig['equal_reference']}")
     print("tensorrt:", report.get("tensorrt", {}).get("status"))
 
 
-def main():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="toy sizes on CPU: checks the script itself")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
-    ap.add_argument("--deadline", type=float, default=540, help="seconds for all sections together")
-    ap.add_argument("--reserve", type=float, default=300, help="seconds the lossless sweep leaves for the timings")
+    ap.add_argument("--deadline", type=float, default=510, help="seconds for all sections together")
+    ap.add_argument("--reserve", type=float, default=360, help="seconds the lossless sweep leaves for the rest")
+    ap.add_argument("--floor", type=float, default=20, help="seconds left under which a timing is skipped")
+    ap.add_argument("--model-floor", type=float, default=120, help="seconds a model's timings need (else skipped)")
+    ap.add_argument("--compile-archs", default="llama,qwen2_5_vl",
+                    help="tiny architectures the lossless sweep also runs compiled ('all': every one)")
+    ap.add_argument("--tests-timeout", type=int, default=150, help="seconds for the gpu_tests subprocess")
     ap.add_argument("--context", type=int, default=1024, help="prefix rows already in the cache (timings)")
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--budgets", default="16,64", help="tree budgets timed")
+    ap.add_argument("--spare-budgets", default="128", help="timed too when time allows")
+    ap.add_argument("--eager-passes", action="store_true", help="time every pass eagerly too (default: the AR step)")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--sections", default="kernel,lossless,timings,tensorrt")
-    args = ap.parse_args()
+    ap.add_argument("--target", help="real section: a GGUF file or HF model folder (glance_rt.load_target)")
+    ap.add_argument("--drafter", help="real section: a drafter folder (default: the target's shipped one)")
+    ap.add_argument("--method", default="tree-8+lookup@compile", help="real section: the GLANCE method")
+    ap.add_argument("--suite", default="all", help="real section: held-out prompts (glance_rt.tools.suites)")
+    ap.add_argument("--per-kind", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=10)
+    ap.add_argument("--real-new-tokens", type=int, default=128)
+    ap.add_argument("--sections", default="kernel,lossless,timings,gpu_tests,real,tensorrt")
+    tools = ap.add_argument_group("tools (no measuring)")
+    tools.add_argument("--plan", metavar="JSON", help="print the wheels to carry (name==version), write the plan")
+    tools.add_argument("--size", metavar="DIR", help="check tree + DIR against the travel budget")
+    tools.add_argument("--split", metavar="FILE", help="FILE in parts under .gpu/parts/ with a sha256 manifest")
+    tools.add_argument("--part-mib", type=float, help="part size (default: what the budget leaves, <= 20)")
+    tools.add_argument("--stage", metavar="DIR", help="copy the carried .gpu/parts into DIR, join what is complete")
+    return ap.parse_args(argv)
+
+
+def main():
+    args = parse_args()
+    if tool_main(args):
+        return
     if args.cpu:
-        args.context, args.reps, args.reserve = 64, 3, 60
+        args.context, args.reps, args.reserve, args.model_floor, args.floor = 64, 3, 60, 30, 5
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel on CPU tensors (read when triton is imported)
     elif not torch.cuda.is_available():
         sys.exit("no CUDA device: run on the GPU machine, or with --cpu to check the script")
     run = Run(args)
-    run.report["env"] = {"device": torch.cuda.get_device_name() if not args.cpu else "cpu", "torch": torch.__version__,
-                         "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d")}
-    try:
-        import triton
-
-        run.report["env"]["triton"] = triton.__version__
-    except ImportError:
-        run.report["env"]["triton"] = None
-    sections = {"kernel": kernel_section, "lossless": lossless_section, "timings": timings_section,
-                "tensorrt": tensorrt_section}
+    run.report["env"] = environment(args)
+    sections = {"kernel": kernel_section, "lossless": lossless_section, "gpu_tests": gpu_tests_section,
+                "timings": timings_section, "real": real_section, "tensorrt": tensorrt_section}
     for name in args.sections.split(","):
         run.section(name, sections[name])
     summary(run.report)
     print(f"\nwritten: {run.out}")
+
+
+def environment(args) -> dict:
+    import glance_rt
+
+    env = {"device": torch.cuda.get_device_name() if not args.cpu else "cpu", "torch": torch.__version__,
+           "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d"), "python": sys.version.split()[0],
+           "glance_rt": str(Path(glance_rt.__file__).parent)}
+    for name in ("triton", "transformers", "huggingface-hub", "tokenizers", "safetensors", "numpy", "accelerate"):
+        try:
+            env[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            env[name] = None
+    env["carried"] = carried_names()
+    env["unmet"] = unmet_requirements(env["carried"])
+    return env
 
 
 if __name__ == "__main__":
