@@ -374,10 +374,10 @@ class Decoder:
                 drafted = self.gate.draft(prior, ngram, must=ctx_feats.shape[0] >= self.pending_rows)
             on_device = drafted and self.device_round and chooser is None
             if on_device:  # draft, tree, verify, acceptance and compaction: one graph, one copy back
-                done_round = self.passes.round(ctx_feats, ctx_start, bonus, block_start, pre.rope_delta, budget,
-                                               self.chain, (ngram, chain))
-                path, run, accepted = done_round.path, done_round.run, done_round.feats
-                root_entropy, end_entropy = done_round.root_entropy, done_round.end_entropy
+                result = self.passes.round(ctx_feats, ctx_start, bonus, block_start, pre.rope_delta, budget,
+                                           self.chain, (ngram, chain))
+                path, run, accepted = result.path, result.run, result.feats
+                root_entropy, end_entropy = result.root_entropy, result.end_entropy
                 stats.draft_passes += 1
                 clock.lap("round")
             else:
