@@ -109,6 +109,7 @@ def test_kernel_sees_prefix_by_length_not_by_mask():
     (4, 4, 5, 13, 8, 16),  # the tree straddles a boundary; head dim padded
     (12, 2, 17, 70, 32, 32),  # a tree wider than a split; G*T = 102 rows in 64-row tiles
     (6, 1, 24, 201, 24, 64),  # MQA, 4 splits of 64, each one tile
+    (4, 2, 40, 32, 16, 16),  # tree rows only from row 32: an early node sees nothing in splits [48, 72)
 ])
 def test_split_kernel_matches_reference(dtype, heads, kv_heads, t, prefix, d, split_rows):
     """Split-KV: many splits, a split of tree rows only, GQA/MQA, padded head dims; the cache holds
