@@ -44,7 +44,8 @@ def test_decoder_prepacks_only_where_it_applies():
     assert glance_rt.Decoder(target, d, tree_budget=6).prepack  # "auto": kernels chosen per layer
     assert glance_rt.Decoder(target, d, tree_budget=6, backend="compile").prepack
     assert not can_pack(torch.zeros(1, dtype=torch.bfloat16))  # fp32 only (bf16 targets keep nn.Linear)
-    bf16 = type("T", (), {"parts": type("P", (), {"lm_head": nn.Linear(2, 2).bfloat16()})})()
+    bf16 = type("T", (), {"parts": type("P", (), {"lm_head": nn.Linear(2, 2).bfloat16()}),
+                          "device": torch.device("cpu")})()  # the default backend is the target device's
     with pytest.raises(GlanceError, match="prepack=True needs fp32 weights"):
         glance_rt.Decoder(bf16, None, prepack=True)
 
