@@ -32,7 +32,7 @@ from glance_rt.round.tree import (
     max_depth,
     with_lookup_bucket,
 )
-from glance_rt.round.verify import Backend, named_backend, round_modules
+from glance_rt.round.verify import Backend, named_backend, round_modules, text_positions
 
 PHASES = ("prefill", "draft", "tree", "verify", "round", "commit")  # round: a drafted round on the device
 
@@ -305,13 +305,6 @@ class Decoder:
         self.generate(max_new_tokens=2 * block + 1, **self.target.encode_chat(prompt))
         return self
 
-    # ------------------------------------------------------------------ positions
-
-    def _positions(self, index: Tensor, rope_delta: int) -> Tensor:
-        """Token indices [T] -> the positions the text decoder takes: [1, T] or [3, 1, T]."""
-        pos = (index + rope_delta)[None]
-        return pos[None].expand(3, 1, -1) if self.mrope else pos
-
     def _scratch_rows(self) -> int:
         """Rows past the committed ones a round may write: its tree, the draft block, and (static
         passes) a padded path of max_depth + 1 rows."""
@@ -399,7 +392,7 @@ class Decoder:
                 mask = torch.from_numpy(tree.mask).to(dev)
                 index = torch.from_numpy(tree.depth).to(dev) + block_start
                 clock.lap("tree")
-                positions = self._positions(index, pre.rope_delta)
+                positions = text_positions(index, pre.rope_delta, self.mrope)
                 logits, feats, greedy, path = self.passes.verify(tree, tokens, positions, block_start, mask)  # [N+1]
                 if chooser is None:
                     run = committed_tokens(tree, greedy, path)

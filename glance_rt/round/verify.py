@@ -120,9 +120,7 @@ class StaticGraphs(nn.Module):
         draft_logits = self.draft(ctx, ctx_start, bonus, block_start)  # [B-1, V]
         vocab = getattr(self.draft_pass, "draft_vocab", None)
         tree = build_tree_device(draft_logits, bonus, lookup_chain.shape[0], chain, vocab, lookup_chain, lookup_len)
-        positions = (tree.depth + block_start + rope_delta)[None]  # [1, N+1]
-        if self.verifier.mrope:  # a text token's position is the same on all three axes
-            positions = positions[None].expand(3, 1, -1)
+        positions = text_positions(tree.depth + block_start, rope_delta, self.verifier.mrope)
         logits, feats, greedy, path = self.verify(tree.tokens, positions, block_start, tree.mask, tree.parent)
         rows = path.clamp(min=0)  # [K]
         last = rows.gather(0, (path >= 0).sum().sub(1).view(1))  # [1]: the last accepted row
@@ -132,6 +130,13 @@ class StaticGraphs(nn.Module):
         report = torch.cat([path, tree.tokens.index_select(0, rows), greedy.index_select(0, last)])
         return (torch.cat([report.double(), entropies(logits.index_select(0, ends)).double()]),
                 feats.index_select(0, rows))
+
+
+def text_positions(index: Tensor, rope_delta, mrope: bool) -> Tensor:
+    """Token indices [T] -> the positions the text decoder takes: [1, T], or [3, 1, T] for M-RoPE (a
+    text token's position is the same on all three axes, shifted by the image grid's `rope_delta`)."""
+    pos = (index + rope_delta)[None]
+    return pos[None].expand(3, 1, -1) if mrope else pos
 
 
 @dataclass(frozen=True)
