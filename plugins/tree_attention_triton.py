@@ -6,7 +6,10 @@ cache rows j < prefix_len, and rows prefix_len + i where tree_mask[t, i]; every 
 invisible. The kernels read prefix_len from device memory and visit cache rows [0, prefix_len + T)
 only: no host sync (a CUDA graph captures them), and the cache tail past the queries' own rows is never
 read. Flash-style (online softmax over BLOCK_N-row tiles, fp32 accumulators); grouped-query heads are
-folded, so one program reads each K/V tile once for the G query heads that share it.
+folded, so one program reads each K/V tile once for the G query heads that share it. Whole tiles below
+prefix_len, which every query sees, run a loop without the tree mask's loads and row bounds; the tiles
+the queries' own rows reach run a second loop that reads the mask (the same tiles in the same order:
+the same bits).
 
 Split-KV (flash-decoding). A decode call has few query rows (G*T: 8 at a 3B's AR step), so one program
 per (query tile, KV head) leaves most of a GPU idle while each program walks the whole prefix alone
@@ -56,6 +59,9 @@ DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # torch dty
 NUM_WARPS = 4
 PTX_VERSION = 87  # Triton 3.9's default PTX ISA (9.4) is newer than CUDA 13.0's ptxas takes: pin one both know
 SPLIT_ROWS = 256  # cache rows per split (a power of two >= 16): fixed boundaries, whatever the call
+# query rows per combine program: each row's fold is its own (no dot), so small tiles spread a verify
+# call's combine over more programs (the second H200 run: 28 programs folded 24 splits of T = 64 rows)
+COMBINE_BLOCK_M = 16
 M_START = tl.constexpr(-1.0e30)  # the running max before any visible row: finite, so an empty tile gives p = 0, not NaN
 
 
@@ -92,28 +98,53 @@ def check_split_rows(split_rows: int) -> int:
 def _attend_rows(q, k_ptr, v_ptr, mask_ptr, kv_base, prefix, T, t, r_ok, d, d_ok, lo, hi, m_i, l_i, acc,
                  HEAD_DIM: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online softmax of query tile q [M, D] over cache rows [lo, hi) in BLOCK_N-row tiles from lo:
-    updates and returns the running (m [M], l [M], acc [M, D]), all fp32."""
-    precision: tl.constexpr = "ieee" if k_ptr.dtype.element_ty == tl.float32 else "tf32"  # tf32: ignored off fp32
-    for start in range(lo, hi, BLOCK_N):
+    updates and returns the running (m [M], l [M], acc [M, D]), all fp32. Whole tiles below the prefix
+    (every query sees them) run without the tree mask and row bounds; the rest read the mask. Both loops
+    visit the same tiles in the same order, and a tile every row sees gives the same bits either way."""
+    full = lo + tl.maximum(tl.minimum(prefix, hi) - lo, 0) // BLOCK_N * BLOCK_N  # end of the whole prefix tiles
+    for start in range(lo, full, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)  # [N] cache rows, all < prefix
+        k, v = _kv_tile(k_ptr, v_ptr, kv_base, j, d, j < full, d_ok, HEAD_DIM, True)
+        s = _scores(q, k, SCALE)  # [M, N] fp32
+        m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc)
+    for start in range(full, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)  # [N] cache rows
         j_ok = j < hi
-        kv_off = kv_base + j[:, None] * HEAD_DIM + d[None, :]  # [N, D]
-        kv_mask = j_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=precision) * SCALE  # [M, N] fp32
+        k, v = _kv_tile(k_ptr, v_ptr, kv_base, j, d, j_ok, d_ok, HEAD_DIM, False)
+        s = _scores(q, k, SCALE)
         i = j - prefix  # [N] tree column of a row the queries wrote
         in_tree = (i >= 0) & j_ok
         tm = tl.load(mask_ptr + t[:, None] * T + i[None, :], mask=r_ok[:, None] & in_tree[None, :], other=0)
         visible = (j < prefix)[None, :] | (tm != 0)  # [M, N]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])  # [M, N]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=precision)
-        m_i = m_new
+        m_i, l_i, acc = _fold_tile(tl.where(visible, s, float("-inf")), v, m_i, l_i, acc)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _kv_tile(k_ptr, v_ptr, kv_base, j, d, j_ok, d_ok, HEAD_DIM: tl.constexpr, WHOLE: tl.constexpr):
+    """K and V rows j [N] -> [N, D] each (0 past the head dim; past j_ok too unless the tile is WHOLE)."""
+    kv_off = kv_base + j[:, None] * HEAD_DIM + d[None, :]  # [N, D]
+    kv_mask = d_ok[None, :] if WHOLE else j_ok[:, None] & d_ok[None, :]
+    return tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0), tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+
+
+@triton.jit
+def _scores(q, k, SCALE: tl.constexpr):
+    """q [M, D] . k [N, D] -> [M, N] fp32 (IEEE fp32 products for fp32 inputs: no TF32)."""
+    precision: tl.constexpr = "ieee" if k.dtype == tl.float32 else "tf32"  # tf32: ignored off fp32
+    return tl.dot(q, tl.trans(k), input_precision=precision) * SCALE
+
+
+@triton.jit
+def _fold_tile(s, v, m_i, l_i, acc):
+    """One tile's scores s [M, N] (-inf where invisible) and values v [N, D] into the running state."""
+    precision: tl.constexpr = "ieee" if v.dtype == tl.float32 else "tf32"
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])  # [M, N]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=precision)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -205,14 +236,16 @@ def grid(rows: int, kv_heads: int, block_m: int, splits: int = 1) -> tuple[int, 
 
 
 def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int | None = SPLIT_ROWS,
-                   block_m: int | None = None):
+                   block_m: int | None = None, tune: dict | None = None):
     """Launch on torch tensors: CUDA, or CPU tensors through Triton's interpreter (with
     TRITON_INTERPRET=1 set before triton is first imported, as the tests do). Shapes as the op; k and v
     may be row slices of a larger cache (any head stride), q any layout. -> [1, H, T, D].
 
     The cache's L = k.shape[2] rows are cut into cdiv(L, split_rows) splits (split-KV: split kernel, then
     combine); `split_rows` None, or L <= split_rows, runs the direct kernel alone. `block_m`: the split
-    kernel's query rows per program (None: `split_block_m`); it changes no result."""
+    kernel's query rows per program (None: `split_block_m`); it changes no result. `tune`: launch
+    settings to measure (gpu_check's sweep), any of BLOCK_N (tile rows: it changes the reduction order,
+    so the op keeps `blocks`' one per dtype and head dim), num_warps, num_stages."""
     import torch
 
     _, heads, t, d = q.shape
@@ -224,22 +257,24 @@ def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int
     out = torch.empty_like(q)  # [1, H, T, D]
     prefix = prefix_len.reshape(()).to(torch.int64)
     mask = tree_mask.contiguous()
-    common = dict(GROUPS=groups, HEAD_DIM=d, num_warps=NUM_WARPS, num_stages=stages(d, dtype))
+    tune = dict(tune or {})
+    common = dict(GROUPS=groups, HEAD_DIM=d, num_warps=tune.pop("num_warps", NUM_WARPS),
+                  num_stages=tune.pop("num_stages", stages(d, dtype)))
     splits = 1 if split_rows is None else triton.cdiv(kv_len, check_split_rows(split_rows))
     if splits == 1:
-        tiles = blocks(d, dtype)
+        tiles = blocks(d, dtype) | tune
         tree_attention_kernel[grid(groups * t, kv_heads, tiles["BLOCK_M"])](
             q, k, v, mask, prefix, t, k.stride(1) // d, out, SCALE=float(scale), **tiles, **common)
         return out
-    tiles = blocks(d, dtype, split_rows)
+    tiles = blocks(d, dtype, split_rows) | tune
     tiles["BLOCK_M"] = block_m or split_block_m(groups * t)
     acc = torch.empty(kv_heads, splits, groups * t, d, dtype=torch.float32, device=q.device)  # scratch
     ml = torch.empty(kv_heads, splits, groups * t, 2, dtype=torch.float32, device=q.device)
     tree_attention_split_kernel[grid(groups * t, kv_heads, tiles["BLOCK_M"], splits)](
         q, k, v, mask, prefix, t, k.stride(1) // d, acc, ml, SCALE=float(scale), SPLIT_ROWS=split_rows,
         **tiles, **common)
-    tree_attention_combine_kernel[grid(groups * t, kv_heads, tiles["BLOCK_M"])](
-        acc, ml, prefix, t, splits, out, SPLIT_ROWS=split_rows, BLOCK_M=tiles["BLOCK_M"],
+    tree_attention_combine_kernel[grid(groups * t, kv_heads, COMBINE_BLOCK_M)](  # rows fold independently
+        acc, ml, prefix, t, splits, out, SPLIT_ROWS=split_rows, BLOCK_M=COMBINE_BLOCK_M,
         BLOCK_D=tiles["BLOCK_D"], **common)
     return out
 

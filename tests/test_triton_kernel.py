@@ -159,6 +159,17 @@ def test_split_boundaries_are_fixed_by_cache_rows(split_rows):
         assert torch.equal(step, verify[:, :, i : i + 1]), i
 
 
+@pytest.mark.parametrize("tune", [{"BLOCK_N": 16}, {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3}])
+def test_tuned_launches_match_the_reference(tune):
+    """gpu_check's sweep launches (other tile rows, warps, stages), split and direct: still the op."""
+    q, k, v, mask = case(6, 2, 5, 45, 16, torch.float32, seed=12, cache_rows=96)
+    p = torch.tensor(45, device=q.device)
+    want = expected(q, k, v, mask, 45, 0.25)
+    for split_rows in (32, None):
+        got = triton_kernel.tree_attention(q, k, v, mask, p, 0.25, split_rows, tune=tune)
+        torch.testing.assert_close(got.cpu(), want, atol=2e-6, rtol=2e-6)
+
+
 def test_split_rows_must_be_a_power_of_two():
     q, k, v, mask = case(4, 2, 1, 10, 16, torch.float32, seed=1)
     for bad in (8, 48):
