@@ -6,20 +6,25 @@ op is a kernel launch, some hundreds for a tree of 64 nodes, more time than the 
 Here one program keeps the whole frontier in registers and pops `BUDGET` times: the same frontier of
 2*BUDGET+1 slots (pop s writes its sibling to slot 2s+1, its first child to 2s+2), the same pop (the
 highest score, the lowest slot among equal scores: heapq's push order), the same float32 scores
-(parent score + log-prob), the same grafting of a prompt-lookup chain; then the ancestor mask, row by
-row (a node's row is its parent's plus itself; parents come first).
+(parent score + log-prob), the same grafting of a prompt-lookup chain; then the ancestor mask: every
+node climbs its parents at once, writing its row's ancestors, for as many steps as the deepest node.
 
     best_first_kernel(top_lp, top_ids, chain, chain_len, tokens, parent, depth, mask)
       top_lp   *f32 [D, K]  per depth, log-probs sorted descending (`draft_topk`)
       top_ids  *i64 [D, K]  their tokens
       chain    *i64 [L]     the prompt-lookup chain, `chain_len` [] of it grafted (0: none)
-      tokens, parent, depth *i64 [N+1]; mask *i1 [N+1, N+1]
+      tokens, parent, depth *i64 [N+1]; mask *i1 [N+1, N+1], zeroed by the caller
     constexprs: N_DEPTH = D, WIDTH = K, N_CHAIN = L, BUDGET = N, SLOTS >= 2N+1 and NODES >= N+1 (powers of two)
     grid: (1,)
 """
 
 import triton
 import triton.language as tl
+
+# one warp: a pop is a chain of reductions over the frontier, each a few shuffles in one warp, where
+# more warps add a barrier and shared memory to every one (the second H200 run: 209 us a tree of 64 nodes
+# at 4 warps)
+NUM_WARPS = 1
 
 
 @triton.jit
@@ -91,12 +96,14 @@ def best_first_kernel(top_lp_ptr, top_ids_ptr, chain_ptr, len_ptr, tokens_ptr, p
     tl.store(parent_ptr + node, parent, mask=rows)
     tl.store(depth_ptr + node, depth, mask=rows)
 
-    mask = node[:, None] == node[None, :]  # [M, M] row i true at i and its ancestors
-    for i in range(1, BUDGET + 1):
-        p = _pick(node == i, parent)
-        row = tl.max(tl.where(node[:, None] == p, mask, False).to(tl.int32), 0) > 0  # [M] the parent's row
-        mask = tl.where(node[:, None] == i, row[None, :] | (node[None, :] == i), mask)
-    tl.store(mask_ptr + node[:, None] * (BUDGET + 1) + node[None, :], mask, mask=rows[:, None] & rows[None, :])
+    # the ancestor mask (zeroed by the caller): every node climbs its parents, all at once, writing
+    # mask[i, a] for each ancestor a (and itself), as many steps as the deepest node
+    tl.debug_barrier()  # the parents stored above, visible to every lane of the program
+    anc = node.to(tl.int64)  # [M] each row's current ancestor, itself first
+    for _ in range(0, tl.max(tl.where(rows, depth, 0), 0) + 1):
+        up = rows & (anc >= 0)
+        tl.store(mask_ptr + node * (BUDGET + 1) + anc, tl.full([NODES], 1, tl.int1), mask=up)
+        anc = tl.load(parent_ptr + anc, mask=up, other=-1)
 
 
 def best_first(top_lp, top_ids, chain, chain_len, root, budget: int):
@@ -107,11 +114,11 @@ def best_first(top_lp, top_ids, chain, chain_len, root, budget: int):
     n_depth, width = top_lp.shape
     tokens = root.reshape(1).to(torch.int64).repeat(budget + 1)  # only tokens[0] survives: the root
     parent, depth = (torch.empty(budget + 1, dtype=torch.int64, device=top_lp.device) for _ in range(2))
-    mask = torch.empty(budget + 1, budget + 1, dtype=torch.bool, device=top_lp.device)
+    mask = torch.zeros(budget + 1, budget + 1, dtype=torch.bool, device=top_lp.device)  # the kernel sets ancestors
     best_first_kernel[(1,)](top_lp.contiguous(), top_ids.contiguous(), chain.contiguous(), chain_len.reshape(()),
                             tokens, parent, depth, mask, N_DEPTH=n_depth, WIDTH=width, N_CHAIN=chain.shape[0],
                             BUDGET=budget, SLOTS=triton.next_power_of_2(2 * budget + 1),
-                            NODES=triton.next_power_of_2(budget + 1), num_warps=4)
+                            NODES=triton.next_power_of_2(budget + 1), num_warps=NUM_WARPS)
     return tokens, parent, depth, mask
 
 
@@ -129,4 +136,5 @@ def compile_aot(budget: int, n_depth: int, width: int, n_chain: int, arch: int =
                       SLOTS=triton.next_power_of_2(2 * budget + 1), NODES=triton.next_power_of_2(budget + 1))
     src = ASTSource(fn=best_first_kernel, signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
                     constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4, "ptx_version": PTX_VERSION})
+    options = {"num_warps": NUM_WARPS, "ptx_version": PTX_VERSION}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
