@@ -15,10 +15,10 @@ from tests.tiny_models import ARCHS, VLM_ARCHS, make_inputs
 NEW = 24
 
 
-def static_decoder(target, drafter, chunk: int, oracle=None, spy=None, **kw):
+def static_decoder(target, drafter, chunk: int, oracle=None, spy=None, fuse=None, **kw):
     """A Decoder over StaticPasses whose graphs run eagerly (no compiler), the device round's too. With
     `oracle`, the real draft graph still runs (writing the context cache) but the oracle's logits are
-    drafted (in a device round as well: its graph drafts through `graphs.draft`)."""
+    drafted (in a device round as well: its graph drafts through `graphs.draft`). `fuse`: the Backend's."""
 
     def fns(graphs):
         draft = graphs.draft
@@ -32,7 +32,7 @@ def static_decoder(target, drafter, chunk: int, oracle=None, spy=None, **kw):
         graphs.draft = wrapped
         return {n: getattr(graphs, n) for n in (*GRAPHS, "round")}
 
-    return glance_rt.Decoder(target, drafter, backend=Backend("static", static_passes(fns, chunk)), **kw)
+    return glance_rt.Decoder(target, drafter, backend=Backend("static", static_passes(fns, chunk), fuse=fuse), **kw)
 
 
 def case(arch):

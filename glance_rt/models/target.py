@@ -2,7 +2,8 @@
 
 Projections, norms, MLPs and the rotary table are the HF modules themselves (shared, not copied),
 so numerics match the HF forward; what is ours is the forward: explicit positions (1-D or M-RoPE),
-a static KV cache written by index, and attention through `glance::tree_attention`. With a
+a static KV cache written by index, and attention through `glance::tree_attention`. On a GPU each
+layer's q, k, v and its gate, up projections run as one GEMM each (`fuse`). With a
 `KernelPlan` (fp32 on a CPU, eager or compiled) each linear layer runs the kernel the plan chose for
 its shape and row count: torch's own, MKL over a transposed copy, or oneDNN's prepacked copy
 (`glance_rt.models.kernels`). The decoder keeps one layer stack per row class of the plan (the
@@ -14,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from glance_rt.models.attention import attend
+from glance_rt.models.fused import FusedLinear, fusable
 from glance_rt.models.kernels import KernelPlan, class_index, with_plan
 from glance_rt.models.kv_cache import KVCache
 
@@ -30,10 +32,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class Attention(nn.Module):
     def __init__(self, hf_attn: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, plan: KernelPlan | None,
-                 rows: int):
+                 rows: int, fuse: bool = False):
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
-            with_plan(plan, getattr(hf_attn, n), rows) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        qkv = [hf_attn.q_proj, hf_attn.k_proj, hf_attn.v_proj]
+        self.qkv = FusedLinear(qkv) if fuse and plan is None and fusable(qkv) else None  # one GEMM
+        if self.qkv is None:
+            self.q_proj, self.k_proj, self.v_proj = (with_plan(plan, m, rows) for m in qkv)
+        self.o_proj = with_plan(plan, hf_attn.o_proj, rows)
         self.q_norm = getattr(hf_attn, "q_norm", None)  # Qwen3: RMSNorm over head_dim
         self.k_norm = getattr(hf_attn, "k_norm", None)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
@@ -41,9 +46,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: KVCache, layer: int, rows: Tensor, kv_len: int, tree_mask):
         t = x.shape[1]
-        q = self.q_proj(x).view(1, t, self.n_heads, self.head_dim)  # [1, T, H, D]
-        k = self.k_proj(x).view(1, t, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(1, t, self.n_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.view(1, t, self.n_heads, self.head_dim)  # [1, T, H, D]
+        k = k.view(1, t, self.n_kv_heads, self.head_dim)
+        v = v.view(1, t, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, H, T, D]
@@ -55,28 +61,33 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """The HF gated MLP, `down(act(gate(x)) * up(x))`, over its own projections, each run by the plan's kernel."""
+    """The HF gated MLP, `down(act(gate(x)) * up(x))`, over its own projections: each run by the plan's
+    kernel, or (`fuse`, plain weights) gate and up as one GEMM."""
 
-    def __init__(self, hf_mlp: nn.Module, plan: KernelPlan, rows: int):
+    def __init__(self, hf_mlp: nn.Module, plan: KernelPlan | None, rows: int, fuse: bool = False):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = (
-            with_plan(plan, getattr(hf_mlp, n), rows) for n in ("gate_proj", "up_proj", "down_proj"))
+        gate_up = [hf_mlp.gate_proj, hf_mlp.up_proj]
+        self.gate_up = FusedLinear(gate_up) if fuse and plan is None and fusable(gate_up) else None
+        if self.gate_up is None:
+            self.gate_proj, self.up_proj = (with_plan(plan, m, rows) for m in gate_up)
+        self.down_proj = with_plan(plan, hf_mlp.down_proj, rows)
         self.act_fn = hf_mlp.act_fn
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class Block(nn.Module):
     def __init__(self, hf_layer: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, plan: KernelPlan | None,
-                 rows: int):
+                 rows: int, fuse: bool = False):
         super().__init__()
         self.input_layernorm = hf_layer.input_layernorm
         self.post_attention_layernorm = hf_layer.post_attention_layernorm
-        self.self_attn = Attention(hf_layer.self_attn, n_heads, n_kv_heads, head_dim, plan, rows)
+        self.self_attn = Attention(hf_layer.self_attn, n_heads, n_kv_heads, head_dim, plan, rows, fuse)
         mlp = hf_layer.mlp
         gated = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-        self.mlp = MLP(mlp, plan, rows) if plan is not None and gated else mlp
+        self.mlp = MLP(mlp, plan, rows, fuse) if (plan is not None or fuse) and gated else mlp
 
     def forward(self, h, cos, sin, cache, layer, rows, kv_len, tree_mask):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, rows, kv_len, tree_mask)
@@ -93,10 +104,13 @@ class TargetDecoder(nn.Module):
     layers, indexed like HF's `hidden_states[i + 1]` (so the last layer's is taken after the final
     norm). `plan`: the kernel of each linear layer (`glance_rt.models.kernels.KernelPlan`; None: the
     HF modules as they are): `stacks[i]` and `heads[i]` run row class `row_classes[i]`, chosen by a
-    call's row count (the head's: the logit rows).
+    call's row count (the head's: the logit rows). `fuse` (with no plan): each layer's q, k, v and
+    its gate, up projections run as one GEMM each (`glance_rt.models.fused`: the HF parameters become
+    views of one buffer per group, no second copy).
     """
 
-    def __init__(self, parts, max_len: int, feature_layers: tuple[int, ...] = (), plan: KernelPlan | None = None):
+    def __init__(self, parts, max_len: int, feature_layers: tuple[int, ...] = (), plan: KernelPlan | None = None,
+                 fuse: bool = False):
         super().__init__()
         cfg = parts.text_config
         tm = parts.text_model
@@ -105,7 +119,7 @@ class TargetDecoder(nn.Module):
         self.embed_tokens = tm.embed_tokens
         self.row_classes = plan.row_classes() if plan is not None else (1,)
         self.stacks = nn.ModuleList(
-            nn.ModuleList(Block(layer, n_heads, n_kv, head_dim, plan, rows) for layer in tm.layers)
+            nn.ModuleList(Block(layer, n_heads, n_kv, head_dim, plan, rows, fuse) for layer in tm.layers)
             for rows in self.row_classes)
         self.heads = nn.ModuleList(with_plan(plan, parts.lm_head, rows) for rows in self.row_classes)
         self.norm = tm.norm

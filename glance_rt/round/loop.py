@@ -189,7 +189,8 @@ class Decoder:
         self.lookup_budget = self._lookup_budget(lookup_budget)
         self.pending_rows = max_depth(block) + 1  # drafter-context rows a skipped draft may leave pending
         verify_rows = tuple(b + 1 for b in self.budgets)
-        self.verifier, self.drafter = round_modules(target, drafter, max_length, verify_rows, kernels)
+        self.verifier, self.drafter = round_modules(target, drafter, max_length, verify_rows, kernels,
+                                                    self.backend.fuse)
         vocab = getattr(self.drafter, "draft_vocab", None)  # draft-logit column -> token id, or None
         self.draft_vocab = None if vocab is None else vocab.cpu().numpy()
         self.mrope = self.verifier.mrope

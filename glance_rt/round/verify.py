@@ -322,13 +322,15 @@ def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
 # ----------------------------------------------------------------------------- building the passes
 
 
-def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], kernels):
+def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], kernels, fuse: bool | None = None):
     """The modules a round runs, over `target`'s weights: (TargetDecoder with a `max_len`-row cache,
     the draft pass or None). A `GlanceDrafter` becomes a `DraftPass` (shared embeddings and lm_head);
     other drafter objects (the eager protocol) are used as they are. `kernels`: None (the plain
     weights: engines trace these), True (oneDNN-prepacked everywhere) or a `KernelTuner` (each
     linear's kernel measured at the verify rows `verify_rows`, the draft block and prefill, then each
-    pass checked whole against the plain one: `glance_rt.round.passcheck`)."""
+    pass checked whole against the plain one: `glance_rt.round.passcheck`). `fuse`: the plain
+    weights' q, k, v and gate, up as one GEMM each (`TargetDecoder`); None: on a GPU, where a small
+    GEMM costs a launch (the CPU's kernels are chosen by timing instead)."""
     if isinstance(drafter, GlanceDrafter):
         check_compatible(drafter.config, target)
     layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
@@ -337,7 +339,9 @@ def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], k
     if isinstance(drafter, GlanceDrafter):
         drafter = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, max_len,
                             plan=plans[1])
-    verifier = TargetDecoder(target.parts, max_len, layers, plan=plans[0])
+    if fuse is None:
+        fuse = target.parts.lm_head.weight.is_cuda
+    verifier = TargetDecoder(target.parts, max_len, layers, plan=plans[0], fuse=fuse and plans[0] is None)
     return verifier, drafter
 
 
@@ -360,12 +364,14 @@ def static_graphs(target, drafter, max_len: int) -> StaticGraphs:
 class Backend:
     """How a Decoder's passes run. `passes(verifier, draft)` builds them; `prefill_inputs(target)`
     (None: the target's own) turns a request's inputs into the prompt's embeddings (an engine may
-    bring vision graphs); `prepack` False: the passes run the plain weights (engines)."""
+    bring vision graphs); `prepack` False: the passes run the plain weights (engines); `fuse`: the
+    plain weights' q, k, v and gate, up run as one GEMM each (None: on a GPU; `round_modules`)."""
 
     name: str
     passes: Callable
     prefill_inputs: Callable | None = None
     prepack: bool = True
+    fuse: bool | None = None
 
 
 def static_passes(make_fns: Callable, chunk: int, exact_prefill: bool = False) -> Callable:
