@@ -426,7 +426,7 @@ def kernel_timings(run: Run) -> dict:
     from glance_rt.models.attention import tree_attention_reference
     from glance_rt.plugins import tree_attention_triton as triton_kernel
 
-    dev, fig = run.device, {}
+    dev, fig, sweeps = run.device, {}, {}
     k, v = (torch.randn(1, 4, 8192, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
     for t in (1, 64):
         q = torch.randn(1, 28, t, 128, device=dev, dtype=torch.bfloat16)
@@ -443,7 +443,9 @@ def kernel_timings(run: Run) -> dict:
                 fig[f"kernel_{key}_goal_us"] = KERNEL_GOALS_US[key]
             print(key, {n: round(x, 1) for n, x in fig.items() if key in n}, flush=True)
             if key in SWEEP_SHAPES:
-                fig[f"sweep_{key}"] = tune_sweep(run, args, t, triton_kernel)
+                sweeps[key] = (args, t)
+    for key, (args, t) in sweeps.items():  # last: a launch setting that broke the device would cost no figure
+        fig[f"sweep_{key}"] = tune_sweep(run, args, t, triton_kernel)
     return fig
 
 
