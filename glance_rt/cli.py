@@ -28,7 +28,7 @@ def method_options(command):
     @functools.wraps(command)
     def wrapper(*args, tree_budget, chain, lookup, lookup_budget, backend, engine_dir, always_draft, **kw):
         try:
-            if tree_budget is None and engine_dir is None:
+            if tree_budget is None and engine_dir is None and not chain:  # a chain: the drafter's whole block
                 tree_budget = DEFAULT_TREE_BUDGET
             method = Method(kind="chain" if chain else "tree", tree_budget=tree_budget, lookup=lookup,
                             backend=backend, engine=engine_dir, gate=not always_draft, lookup_budget=lookup_budget)
@@ -38,8 +38,10 @@ def method_options(command):
 
     options = [
         click.option("--tree-budget", default=None, type=int,
-                     help=f"Draft nodes verified per round (default: {DEFAULT_TREE_BUDGET}; an engine's largest)."),
-        click.option("--chain", is_flag=True, help="Verify a width-1 chain (DFlash-style) instead of a tree."),
+                     help=f"Draft nodes verified per round (default: {DEFAULT_TREE_BUDGET}; an engine's largest; "
+                          "a chain's: the drafter's whole block)."),
+        click.option("--chain", is_flag=True, help="Verify a width-1 chain (DFlash-style) instead of a tree: the "
+                     "drafter's whole block (B-1 tokens) unless --tree-budget caps it."),
         click.option("--lookup", default=None, type=int,
                      help=f"Graft a prompt-lookup chain (n-grams up to N) into each tree; 0: the drafter alone "
                           f"(default: {DEFAULT_LOOKUP} on a drafter's trees, none for chains and autoregression)."),
@@ -212,7 +214,8 @@ def generate(target_path, drafter_path, images, prompt, max_new_tokens, method, 
 
 
 def _describe(dec) -> str:
-    what = "autoregression" if dec.drafter is None else "a chain" if dec.chain else f"trees of {dec.tree_budget}"
+    what = ("autoregression" if dec.drafter is None else f"a chain of {dec.tree_budget}" if dec.chain
+            else f"trees of {dec.tree_budget}")
     lookup = f" + prompt lookup {dec.lookup}" if dec.lookup else ""
     return f"{what}{lookup}, {dec.backend.name}"
 

@@ -39,7 +39,9 @@ class Method:
     `lookup`: prompt-lookup n-gram grafted into a drafter's trees (None: `DEFAULT_LOOKUP` where it
     applies, 0: none). `backend`: eager, compile or plain (None: `default_backend` of the target's
     device). `engine`: a built engine's folder (its manifest fixes the budget buckets, chain and
-    shapes; the backend is the engine's; `tree_budget` None: its largest bucket). `gate`: a drafter's
+    shapes; the backend is the engine's; `tree_budget` None: its largest bucket). A chain's
+    `tree_budget` None (its default from `parse` and the CLI) drafts what the drafter's own runtime
+    draws, the whole block (B-1 tokens); a number caps it. `gate`: a drafter's
     rounds pass the draft gate (`glance_rt.round.gate`; False, `+always` in a name: draft every
     round). `lookup_budget`: rows a round whose lookup chain fills the tree verifies, the chain alone,
     no draft pass (None: `DEFAULT_LOOKUP_BUDGET` within the
@@ -56,8 +58,9 @@ class Method:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise GlanceError(f"unknown method kind {self.kind!r}: choose one of {', '.join(KINDS)}")
-        if self.tree_budget is None and self.engine is None:
-            raise GlanceError("tree_budget=None means an engine's largest budget: give a budget or an engine")
+        if self.tree_budget is None and self.engine is None and self.kind != "chain":
+            raise GlanceError("tree_budget=None means an engine's largest budget (or a chain's whole block): give a "
+                              "budget or an engine")
         if self.backend is not None and self.backend not in BACKENDS:
             raise GlanceError(f"unknown backend {self.backend!r}: choose one of {', '.join(BACKENDS)} "
                               "(built engines run with --engine DIR)")
@@ -76,7 +79,8 @@ class Method:
         always = base.endswith("+always") and base != "ar+always"
         base = base.removesuffix("+always") if always else base
         if base in ("ar", "chain", "adaptive"):
-            return cls(kind=base, lookup=0, backend=backend, gate=not always)
+            return cls(kind=base, tree_budget=None if base == "chain" else DEFAULT_TREE_BUDGET, lookup=0,
+                       backend=backend, gate=not always)
         tree, plus, extra = base.partition("+")
         extra, dash, rows = extra.partition("-")
         lookup_budget = int(rows) if dash and extra == "lookup" and rows.isdigit() else None
@@ -104,5 +108,5 @@ def job_max_length(prompt_tokens: int, max_new_tokens: int, budgets=()) -> int:
     """The one rule for static cache rows, used wherever a job is known (generate, audit, bench):
     its longest prompt + max_new_tokens + one round's scratch (the largest tree verified, or a
     drafter block), rounded up to 64. Static backends attend over all of them: no more than needed."""
-    scratch = max([b + 1 for b in budgets] + [MAX_SCRATCH_BLOCK])
+    scratch = max([b + 1 for b in budgets if b is not None] + [MAX_SCRATCH_BLOCK])  # None: a chain's block
     return -(-(prompt_tokens + max_new_tokens + scratch) // 64) * 64

@@ -88,6 +88,20 @@ def test_generate_compare_warms_up_and_checks_against_autoregression(root, tmp_p
     assert result.exit_code != 0 and "needs a drafter" in result.output
 
 
+def test_generate_chain_drafts_the_whole_block(root, tmp_path):
+    """`--chain` with no budget drafts the drafter's whole block (B-1), as DFlash's runtime does."""
+    path = model_folder("qwen3", root)
+    target = glance_rt.load_target(path)
+    glance_rt.init_drafter(target, block_size=16).save(tmp_path / "drafter")
+    args = ["generate", "--target", path, "--drafter", str(tmp_path / "drafter"), "--prompt", "Hello there.",
+            "--max-new-tokens", "6", "--chain", "--compare"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "GLANCE (a chain of 15, eager)" in result.stdout and "tokens identical: yes" in result.stdout
+    result = CliRunner().invoke(main, [*args, "--tree-budget", "4"])
+    assert result.exit_code == 0 and "GLANCE (a chain of 4, eager)" in result.stdout, result.output
+
+
 def test_bad_inputs_give_clear_errors(root, tmp_path):
     path = model_folder("qwen3", root)
     runner = CliRunner()

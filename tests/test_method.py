@@ -11,7 +11,7 @@ from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_TREE_BUDGET, Method, defaul
 
 @pytest.mark.parametrize("text,want", [
     ("ar", Method(kind="ar", lookup=0)),
-    ("chain@compile", Method(kind="chain", lookup=0, backend="compile")),
+    ("chain@compile", Method(kind="chain", tree_budget=None, lookup=0, backend="compile")),
     ("tree-16", Method(tree_budget=16, lookup=0)),
     ("tree-16@eager", Method(tree_budget=16, lookup=0, backend="eager")),
     ("tree-8+lookup@plain", Method(tree_budget=8, lookup=DEFAULT_LOOKUP, backend="plain")),
@@ -41,7 +41,7 @@ def test_api_cli_and_method_share_defaults():
                                                                                     None, None)
     assert default.name == f"tree-{DEFAULT_TREE_BUDGET}+lookup"
     params = inspect.signature(glance_rt.Decoder).parameters
-    assert params["tree_budget"].default == DEFAULT_TREE_BUDGET and params["lookup"].default is None
+    assert params["tree_budget"].default is None and params["lookup"].default is None  # trees: the default budget
     assert params["backend"].default == default.backend
     for command in (generate, audit):
         opts = {p.name: p for p in command.params}
@@ -82,6 +82,21 @@ def test_default_lookup_applies_to_drafter_trees_only():
         assert glance_rt.Decoder.from_method(Method.parse(name), target, drafter, max_length=128).method_name == name
     assert glance_rt.Decoder.from_method(Method.parse("ar"), target, drafter, max_length=128).drafter is None
     assert not glance_rt.Decoder.from_method(Method.parse("tree-6@plain"), target, drafter, max_length=128).prepack
+
+
+def test_a_chain_drafts_the_drafters_whole_block_by_default():
+    """Issue 38: a chain with no budget draws what the drafter's own runtime draws (DFlash: the whole
+    block, B-1 tokens), from the API and a method name alike (the CLI: tests/test_cli.py); a budget
+    caps it; trees keep DEFAULT_TREE_BUDGET."""
+    from tests.conftest import tiny_target
+
+    target, _, _ = tiny_target("llama")
+    drafter = glance_rt.init_drafter(target, block_size=16)
+    assert glance_rt.Decoder(target, drafter, chain=True, max_length=128).tree_budget == 15
+    assert glance_rt.Decoder(target, drafter, chain=True, tree_budget=8, max_length=128).tree_budget == 8
+    assert glance_rt.Decoder(target, drafter, max_length=128).tree_budget == DEFAULT_TREE_BUDGET
+    assert glance_rt.Decoder.from_method(Method.parse("chain"), target, drafter, max_length=128).tree_budget == 15
+    assert Method.parse("chain").tree_budget is None and job_max_length(100, 128, [None]) == 320
 
 
 def test_job_max_length():

@@ -22,6 +22,7 @@ from glance_rt.round.commit import apply_stops, committed_tokens, entropies
 from glance_rt.round.gate import DraftGate, GateConfig
 from glance_rt.round.sample import GREEDY, Chooser, Sampling, stop_criteria, walk
 from glance_rt.round.tree import (
+    MAX_TREE_BUDGET,
     build_tree,
     check_budget,
     check_lookup_budget,
@@ -104,9 +105,11 @@ class Decoder:
     The defaults are `glance-rt generate`'s (`glance_rt.method.Method()`): a tree of
     `tree_budget` draft nodes per round with a prompt-lookup chain grafted in, eager passes.
 
-    `tree_budget` is the number of draft nodes verified per round (N), or an `AdaptiveBudget` that
-    picks one of a few fixed buckets per round from the entropy law; `chain=True` verifies the
-    width-1 tree (the top-1 draft at every depth, DFlash-style). `max_length` sizes the static
+    `tree_budget` is the number of draft nodes verified per round (N; None: `DEFAULT_TREE_BUDGET`
+    for trees), or an `AdaptiveBudget` that picks one of a few fixed buckets per round from the
+    entropy law; `chain=True` verifies the width-1 tree (the top-1 draft at every depth,
+    DFlash-style) of min(N, B-1) nodes, where None drafts what the drafter's own runtime draws: the
+    whole block, B-1. `max_length` sizes the static
     caches: prompt + max_new_tokens + one round's scratch must fit (`glance_rt.method.job_max_length`
     sizes it to a job).
 
@@ -150,7 +153,7 @@ class Decoder:
     rounds and sampled rounds run as before.
     """
 
-    def __init__(self, target, drafter=None, tree_budget=DEFAULT_TREE_BUDGET, chain: bool = False,
+    def __init__(self, target, drafter=None, tree_budget: "int | AdaptiveBudget | None" = None, chain: bool = False,
                  max_length: int = DEFAULT_MAX_LENGTH, backend: "str | Backend | None" = None, chunk: int = 64,
                  lookup: int | None = None, prepack: "bool | str | KernelTuner" = "auto",
                  gate: "bool | GateConfig | None" = None, lookup_budget: int | None = None,
@@ -162,6 +165,8 @@ class Decoder:
             for b in self.policy.buckets:
                 check_budget(b.budget)
             tree_budget = self.policy.max_budget
+        if tree_budget is None:  # a chain: the drafter's whole block (below)
+            tree_budget = MAX_TREE_BUDGET if chain else DEFAULT_TREE_BUDGET
         check_budget(tree_budget)
         if max_length < 2:
             raise GlanceError(f"max_length must be at least 2, got {max_length}")
