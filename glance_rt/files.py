@@ -22,6 +22,31 @@ def atomic_write(path: Path, write) -> None:
         raise
 
 
+def atomic_folder(path: Path, write) -> None:
+    """`write(tmp_dir)` fills a temp folder beside `path`, then it is renamed into place (an old folder
+    moved aside first): an interrupted write never leaves a folder that looks complete."""
+    import shutil
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; a model folder is meant to be shared
+    for f in tmp.iterdir():
+        os.chmod(f, 0o644)
+    if path.exists():
+        old = path.with_name(f".{path.name}.old")
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+
+
 def open_image(path, what: str = "image"):
     """A PIL RGB image, or a GlanceError saying which file could not be opened."""
     from PIL import Image, UnidentifiedImageError

@@ -28,9 +28,6 @@ position-dependent RoPE) is a `GlanceError` naming the field.
 
 import functools
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glance_rt.errors import GlanceError
+from glance_rt.files import atomic_folder
 from glance_rt.hf.embedded import default_drafter_path
 from glance_rt.models.target import apply_rope
 
@@ -382,25 +380,15 @@ def save_drafter(drafter: GlanceDrafter, path, dtype: torch.dtype | None = None)
     so an interrupted save never leaves a folder that looks complete."""
     from safetensors.torch import save_file
 
-    path = Path(path)
     dtype = dtype or next(drafter.parameters()).dtype
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     state = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
              for k, v in drafter.state_dict().items()}
-    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(_config_json(drafter.config, dtype), indent=2))
-    os.chmod(tmp, 0o755)  # mkdtemp makes 0700; a drafter folder is meant to be shared
-    for f in tmp.iterdir():
-        os.chmod(f, 0o644)
-    if path.exists():
-        old = path.with_name(f".{path.name}.old")
-        os.replace(path, old)
-        os.replace(tmp, path)
 
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
+    def write(tmp: Path) -> None:
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(_config_json(drafter.config, dtype), indent=2))
+
+    atomic_folder(path, write)
 
 
 def read_drafter(path, dtype: torch.dtype = torch.float32, device="cpu") -> GlanceDrafter:
