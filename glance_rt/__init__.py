@@ -14,6 +14,8 @@ _LAZY = {
     "load_drafter": "glance_rt.models.drafter",
     "GlanceDrafter": "glance_rt.models.drafter",
     "DrafterConfig": "glance_rt.models.drafter",
+    "init_eagle3": "glance_rt.models.eagle3",
+    "load_eagle3": "glance_rt.models.eagle3",
     "Decoder": "glance_rt.round.loop",
     "GenerateResult": "glance_rt.round.loop",
     "Stats": "glance_rt.round.loop",

@@ -340,3 +340,76 @@ def read_eagle3(path, num_target_layers: int | None = None, dtype: torch.dtype =
     if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
         raise GlanceError(f"{weights}: d2t maps draft ids outside the target's {config.vocab_size} tokens")
     return head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------- a head for a target
+
+DEFAULT_DEPTH = 6  # draft tokens deep (one draft pass each)
+DEFAULT_TOP_K = 8  # children per expanded node, nodes expanded per depth
+
+
+@dataclass(frozen=True)
+class Eagle3Drafter:
+    """An EAGLE-3 head and how it drafts: `depth` passes a round (the tree's deepest row; a chain's
+    length), expanding the `top_k` best nodes of each depth into `top_k` children each (EAGLE's dynamic
+    tree), then the round's budget of nodes with the highest cumulative log-probability."""
+
+    head: Eagle3Head
+    depth: int = DEFAULT_DEPTH
+    top_k: int = DEFAULT_TOP_K
+
+    def __post_init__(self):
+        if not 1 <= self.depth <= 31 or not 1 <= self.top_k <= 64:
+            raise GlanceError(f"an EAGLE-3 drafter drafts 1-31 tokens deep with top_k 1-64, got depth={self.depth}, "
+                              f"top_k={self.top_k}")
+
+    @property
+    def block_size(self) -> int:  # the round loop's scratch and chain rules read a block: depth + 1 rows
+        return self.depth + 1
+
+    @property
+    def target_layer_ids(self) -> tuple[int, int, int]:
+        return self.head.target_layer_ids
+
+
+def check_target(config: Eagle3Config, target) -> None:
+    """Refuse a head built for another target, saying what differs."""
+    tc = target.text_config
+    problems = []
+    if config.target_hidden_size != tc.hidden_size:
+        problems.append(f"target_hidden_size {config.target_hidden_size} != the target's {tc.hidden_size}")
+    if config.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size {config.vocab_size} != the target's {target.vocab_size}")
+    if not config.own_embeddings and config.hidden_size != tc.hidden_size:
+        problems.append(f"hidden_size {config.hidden_size} needs its own embed_tokens (the target's are "
+                        f"{tc.hidden_size} wide)")
+    bad = [i for i in config.target_layer_ids if not 0 <= i < tc.num_hidden_layers]
+    if bad:
+        problems.append(f"target layers {bad} outside the target's {tc.num_hidden_layers}")
+    if problems:
+        raise GlanceError("this EAGLE-3 head was built for another target: " + "; ".join(problems))
+
+
+def init_eagle3(target, draft_vocab_size: int | None = None, seed: int = 0, depth: int = DEFAULT_DEPTH,
+                top_k: int = DEFAULT_TOP_K, **overrides) -> Eagle3Drafter:
+    """A randomly initialised head for `target` (EAGLE-3's default layers, the target's width, a draft
+    vocabulary of the first `draft_vocab_size` ids): what training starts from, and the tests' drafter."""
+    tc = target.text_config
+    heads = max(1, tc.hidden_size // 64)
+    fields = dict(hidden_size=tc.hidden_size, target_hidden_size=tc.hidden_size, vocab_size=target.vocab_size,
+                  draft_vocab_size=draft_vocab_size or target.vocab_size,
+                  target_layer_ids=default_layer_ids(tc.num_hidden_layers), num_attention_heads=heads,
+                  num_key_value_heads=heads, head_dim=tc.hidden_size // heads,
+                  intermediate_size=getattr(tc, "intermediate_size", 4 * tc.hidden_size),
+                  rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6))
+    with torch.random.fork_rng(devices=[]):  # the caller's random state untouched
+        torch.manual_seed(seed)
+        head = Eagle3Head(Eagle3Config(**{**fields, **overrides}))
+    return Eagle3Drafter(head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False), depth, top_k)
+
+
+def load_eagle3(path, target, depth: int = DEFAULT_DEPTH, top_k: int = DEFAULT_TOP_K) -> Eagle3Drafter:
+    """An EAGLE-3 folder (SpecForge's, or `save_eagle3`'s) as a drafter for `target`."""
+    head = read_eagle3(path, target.text_config.num_hidden_layers, dtype=target.dtype, device=target.device)
+    check_target(head.config, target)
+    return Eagle3Drafter(head, depth, top_k)

@@ -15,10 +15,12 @@ from torch import Tensor
 from glance_rt.engines.engine import load_engine
 from glance_rt.errors import GlanceError
 from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_MAX_LENGTH, DEFAULT_TREE_BUDGET, Method, default_backend
+from glance_rt.models.eagle3 import Eagle3Drafter
 from glance_rt.models.kernels import KernelTuner, kernel_summary
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
 from glance_rt.round.commit import apply_stops, committed_tokens, entropies
+from glance_rt.round.eagle3 import Eagle3Pass
 from glance_rt.round.gate import DraftGate, GateConfig
 from glance_rt.round.sample import GREEDY, Chooser, Sampling, stop_criteria, walk
 from glance_rt.round.tree import (
@@ -173,8 +175,12 @@ class Decoder:
         if backend is None:
             backend = default_backend(target.device)
         self.backend = backend if isinstance(backend, Backend) else named_backend(backend, chunk)
+        eagle3 = isinstance(drafter, Eagle3Drafter)
         if lookup is None:
-            lookup = DEFAULT_LOOKUP if drafter is not None and not chain else 0
+            lookup = DEFAULT_LOOKUP if drafter is not None and not chain and not eagle3 else 0
+        if lookup and eagle3:
+            raise GlanceError(f"lookup={lookup}: an EAGLE-3 drafter grows its own tree, with no prompt-lookup chain "
+                              "grafted in (yet); use lookup=0")
         if lookup < 0 or (lookup and (chain or drafter is None)):
             raise GlanceError(f"lookup={lookup}: prompt lookup takes an n-gram size >= 1 and grafts onto a "
                               "drafter's tree (not a chain or autoregression); use lookup=0 there")
@@ -196,6 +202,7 @@ class Decoder:
         verify_rows = tuple(b + 1 for b in self.budgets)
         self.verifier, self.drafter = round_modules(target, drafter, max_length, verify_rows, kernels,
                                                     self.backend.fuse)
+        self.grows_tree = isinstance(self.drafter, Eagle3Pass)  # its own tree (EAGLE-3), else build_tree's
         vocab = getattr(self.drafter, "draft_vocab", None)  # draft-logit column -> token id, or None
         self.draft_vocab = None if vocab is None else vocab.cpu().numpy()
         self.mrope = self.verifier.mrope
@@ -264,6 +271,8 @@ class Decoder:
         """What this decoder runs, in `Method.parse`'s words (`tree-8+lookup@compile`); an engine's
         backend is named after the `@` (`tree-8+lookup@aoti`), unless it is the device's default."""
         base = "ar" if self.drafter is None else "chain" if self.chain else f"tree-{self.tree_budget}"
+        if self.grows_tree:  # EAGLE-3 (no method name parses to it yet)
+            base = f"eagle3-{'chain' if self.chain else self.tree_budget}"
         if self.policy is not None:
             base = "adaptive"
         if self.lookup:
@@ -385,6 +394,12 @@ class Decoder:
                         budget = rows
                     tree = lookup_tree(bonus, budget, chain)
                     stats.lookup_rounds += 1
+                elif drafted and self.grows_tree:  # EAGLE-3: a draft pass per depth grows the tree
+                    ctx_tokens = ids[ctx_start + 1 : block_start + 1].to(dev)  # each context row's next token
+                    tree, passes = self.passes.draft_tree(ctx_feats, ctx_tokens, ctx_start, bonus, block_start,
+                                                          budget, self.chain)
+                    stats.draft_passes += passes
+                    clock.lap("draft")
                 else:
                     draft_logits = None
                     if drafted:

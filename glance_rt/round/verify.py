@@ -23,11 +23,13 @@ from torch import Tensor, nn
 
 from glance_rt.errors import GlanceError
 from glance_rt.models.drafter import GlanceDrafter, check_compatible
+from glance_rt.models.eagle3 import Eagle3Drafter, check_target
 from glance_rt.models.kernels import PREFILL_ROWS, KernelPlan
 from glance_rt.models.target import TargetDecoder
 from glance_rt.round.commit import accept, accept_path, compact, entropies
 from glance_rt.round.device_tree import build_tree_device, lookup_tensors
 from glance_rt.round.draft import DraftPass
+from glance_rt.round.eagle3 import Eagle3Pass
 from glance_rt.round.passcheck import checked_plans
 from glance_rt.round.tree import max_depth
 
@@ -65,6 +67,11 @@ class EagerPasses:
 
     def draft(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int) -> Tensor:
         return self.drafter(ctx_feats, ctx_start, bonus, block_start)
+
+    def draft_tree(self, ctx_feats: Tensor, ctx_tokens: Tensor, ctx_start: int, bonus: int, block_start: int,
+                   budget: int, chain: bool):
+        """A drafter that grows its own tree (EAGLE-3's `Eagle3Pass`): -> (Tree, draft passes run)."""
+        return self.drafter.draft_tree(ctx_feats, ctx_tokens, ctx_start, bonus, block_start, budget, chain)
 
     def commit(self, path: list[int], start: int) -> None:
         compact(self.verifier.cache, path, start)
@@ -333,12 +340,16 @@ def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], k
     GEMM costs a launch (the CPU's kernels are chosen by timing instead)."""
     if isinstance(drafter, GlanceDrafter):
         check_compatible(drafter.config, target)
+    if isinstance(drafter, Eagle3Drafter):
+        check_target(drafter.head.config, target)
     layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
     plans = kernel_plans(kernels, verify_rows, drafter.config.block_size if isinstance(drafter, GlanceDrafter) else 1)
     plans = checked_plans(target, drafter, plans, layers)
     if isinstance(drafter, GlanceDrafter):
         drafter = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, max_len,
                             plan=plans[1])
+    elif isinstance(drafter, Eagle3Drafter):
+        drafter = Eagle3Pass(drafter, target.parts.text_model.embed_tokens, max_len)
     if fuse is None:
         fuse = target.parts.lm_head.weight.is_cuda
     verifier = TargetDecoder(target.parts, max_len, layers, plan=plans[0], fuse=fuse and plans[0] is None)

@@ -1,0 +1,141 @@
+"""The EAGLE-3 draft pass (issue 38): the head's own KV cache, a context pass over the rows the target
+committed, then EAGLE's dynamic tree, one draft pass per depth.
+
+Row t of the head pairs a state with the embedding of token t+1 at RoPE position t and predicts token
+t+2. For a row the target has seen the state is `fc` of its fused features; for a draft node it is the
+output of the row that drafted its parent (the head was trained on its own states: training-time test).
+
+A round, with the root (the target's bonus token) at position s:
+- context: the rows [c, s) not yet in the head's cache (the accepted rows of the last drafted round,
+  and any rounds the gate skipped since) are written to the cache, each seeing the cache before it;
+  the last row's token is the root, so its logits are the root's children (depth 1);
+- depth d = 2 .. D: the `top_k` best nodes of depth d-1 (cumulative log-probability; ties: the earlier
+  candidate) run as one pass of k rows at position s + d - 2, each seeing the committed cache and its
+  own ancestors' rows (they occupy scratch rows past s: the next round's context rows overwrite them),
+  and each proposes its `top_k` best children;
+- the tree: the `budget` candidates of highest cumulative log-probability (ties: the earlier), in the
+  order they were drafted, so a node's parent always precedes it (a child never scores above its
+  parent). A chain is top_k = 1: the top-1 token at every depth.
+Verification, acceptance and the commit are the round loop's, unchanged: the output is the target's.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from glance_rt.models.drafter import rope_tables
+from glance_rt.models.eagle3 import Eagle3Drafter, rope
+from glance_rt.round.tree import Tree, _pack
+
+
+class Eagle3Pass(nn.Module):
+    def __init__(self, drafter: Eagle3Drafter, embed_tokens: nn.Module, max_len: int):
+        super().__init__()
+        head = drafter.head
+        c = head.config
+        self.head, self.depth, self.top_k = head, drafter.depth, drafter.top_k
+        self.embed_tokens = head.embed_tokens if c.own_embeddings else embed_tokens
+        rows = max_len + drafter.depth * drafter.top_k  # committed rows, then one depth's rows per depth
+        w = head.fc.weight
+        self.register_buffer("k", w.new_zeros(1, c.num_key_value_heads, rows, c.head_dim), persistent=False)
+        self.register_buffer("v", w.new_zeros(1, c.num_key_value_heads, rows, c.head_dim), persistent=False)
+        inv_freq, self.rope_scaling = rope(c)
+        self.register_buffer("inv_freq", inv_freq.to(w.device), persistent=False)
+        self.groups = c.num_attention_heads // c.num_key_value_heads
+
+    @property
+    def block_size(self) -> int:
+        return self.depth + 1
+
+    @property
+    def target_layer_ids(self) -> tuple[int, int, int]:
+        return self.head.target_layer_ids
+
+    def rows(self, tokens: Tensor, states: Tensor, positions: Tensor, cache_rows: Tensor, visible: Tensor):
+        """One draft pass over T rows: tokens [T] (target ids), states [T, H], RoPE positions [T]; their
+        K and V go to `cache_rows` [T]; row i attends the cache rows where visible[i] [T, L] (its own
+        included). -> (next states [T, H], draft log-probs [T, Vd] fp32)."""
+        cos, sin = rope_tables(self.inv_freq, positions, states.dtype, self.rope_scaling)
+        length = visible.shape[1]
+
+        def attend(q, k, v):  # q [1, nh, T, D]; k, v [1, nkv, T, D]
+            self.k[:, :, cache_rows], self.v[:, :, cache_rows] = k, v
+            keys = self.k[:, :, :length].repeat_interleave(self.groups, 1)
+            values = self.v[:, :, :length].repeat_interleave(self.groups, 1)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[None, None])
+
+        h, logits = self.head(self.embed_tokens(tokens)[None], states[None], cos, sin, attend)
+        return h[0], torch.log_softmax(logits[0].float(), -1)
+
+    def context(self, feats: Tensor, tokens: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        """Rows [start, start + m) the target committed: features [m, F] and each row's next token [m]
+        -> the last row's next state [H] and log-probs [Vd] (the root's children)."""
+        m, dev = feats.shape[0], feats.device
+        index = start + torch.arange(m, device=dev)
+        visible = torch.arange(start + m, device=dev)[None, :] <= index[:, None]  # [m, start + m] causal
+        h, lp = self.rows(tokens, self.head.fuse(feats), index, index, visible)
+        return h[-1], lp[-1]
+
+    @torch.inference_mode()
+    def draft_tree(self, feats: Tensor, tokens: Tensor, ctx_start: int, root: int, start: int, budget: int,
+                   chain: bool) -> tuple[Tree, int]:
+        """The round's tree of `budget` draft nodes under `root` (at position `start`), from the context
+        rows [ctx_start, start): features [m, F], next tokens [m]. -> (Tree, draft passes run)."""
+        score, ids, parent, passes = self.grow(feats, tokens, ctx_start, start, budget, chain)
+        return _select(root, score, ids, parent, budget, chain), passes
+
+    def grow(self, feats: Tensor, tokens: Tensor, ctx_start: int, start: int, budget: int, chain: bool):
+        """Every candidate of the round in drafting order (depth 1's k, then k*k a depth, beam-major):
+        -> (cumulative log-probs [C] fp32, target ids [C], parent candidate [C] (-1: the root), passes)."""
+        state, lp = self.context(feats, tokens, ctx_start)
+        k = 1 if chain else min(self.top_k, budget, lp.shape[0])
+        dev = lp.device
+        score, rank = _topk(lp, k)  # [k]: depth 1
+        cand_score, cand_id, cand_parent = [score], [rank], [torch.full((k,), -1, device=dev)]
+        beam = torch.arange(k, device=dev)  # candidate index of each beam node
+        beam_score, beam_state = score, state.expand(k, -1)
+        beam_rows = torch.empty(0, dtype=torch.long, device=dev)  # [k, d-1] each beam node's ancestors' rows
+        passes, n = 1, k
+        for d in range(2, self.depth + 1):
+            if n >= budget and chain:
+                break
+            rows = start + (d - 2) * k + torch.arange(k, device=dev)  # this depth's scratch rows
+            ancestors = torch.cat([beam_rows, rows[:, None]], 1)  # [k, d-1]
+            visible = torch.zeros(k, int(rows[-1]) + 1, dtype=torch.bool, device=dev)
+            visible[:, :start] = True
+            visible.scatter_(1, ancestors, True)
+            ids = self.head.target_ids(torch.cat(cand_id)[beam])
+            position = torch.full((k,), start + d - 2, device=dev)
+            h, lp = self.rows(ids, beam_state, position, rows, visible)
+            passes += 1
+            child_score, child_rank = _topk(lp, k)  # [k, k]
+            cum = (beam_score[:, None] + child_score).reshape(-1)  # [k*k], beam-major
+            cand_score.append(cum)
+            cand_id.append(child_rank.reshape(-1))
+            cand_parent.append(beam.repeat_interleave(k))
+            best = _topk(cum, k)[1]  # the next beam: flat indices into this depth's children
+            beam_rows, beam_state = ancestors[best // k], h[best // k]
+            beam, beam_score = n + best, cum[best]
+            n += k * k
+        return torch.cat(cand_score), self.head.target_ids(torch.cat(cand_id)), torch.cat(cand_parent), passes
+
+
+def _topk(scores: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k highest of each row, ties to the lower index (a stable sort; torch.topk leaves ties open)."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    return scores.gather(-1, order), order
+
+
+def _select(root: int, score: Tensor, ids: Tensor, parent: Tensor, budget: int, chain: bool) -> Tree:
+    """The tree of the `budget` best candidates (score, token id, parent candidate or -1 for the root),
+    in drafting order. A chain keeps its whole path up to the budget."""
+    keep = _topk(score, min(budget, score.shape[0]))[1].sort().values.tolist()  # drafting order: parents first
+    where = {c: i + 1 for i, c in enumerate(keep)}  # candidate -> tree node
+    ids, parent = ids.tolist(), parent.tolist()
+    tokens, parents, depth = [root], [-1], [0]
+    for c in keep:
+        p = where[parent[c]] if parent[c] >= 0 else 0
+        tokens.append(ids[c])
+        parents.append(p)
+        depth.append(depth[p] + 1)
+    return _pack(tokens, parents, depth, budget + 1 if not chain else len(tokens))

@@ -1,0 +1,146 @@
+"""Decoding with an EAGLE-3 head (issue 38): the head's own draft passes grow EAGLE's dynamic tree and
+glance-rt verifies it. Every output is the target's (HF greedy; seed-exact sampling equals the same
+engine's AR sampling) on all nine architectures; each tree node's score is the head's log-probability
+of its path, recomputed from scratch; the context rows the loop hands the head are the committed ones."""
+
+import pytest
+import torch
+
+import glance_rt
+from glance_rt.models.drafter import rope_tables
+from glance_rt.models.eagle3 import Eagle3Drafter, init_eagle3, rope
+from tests.conftest import hf_greedy, tiny_target
+from tests.test_eagle3 import causal_attend
+from tests.tiny_models import ARCHS, VLM_ARCHS, make_inputs
+
+NEW = 20
+
+
+def eagle3(target, depth=4, top_k=3, seed=0, vocab=None) -> Eagle3Drafter:
+    layers = target.text_config.num_hidden_layers
+    ids = (0, layers // 2, layers - 1)  # the tiny targets have too few layers for EAGLE-3's defaults
+    return init_eagle3(target, draft_vocab_size=vocab, seed=seed, depth=depth, top_k=top_k, target_layer_ids=ids)
+
+
+def case(arch):
+    target, model, processor = tiny_target(arch)
+    inputs = make_inputs(arch, processor, n_images=1 if arch in VLM_ARCHS else 0)
+    return target, model, inputs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eagle3_trees_and_chains_give_hf_greedy(arch):
+    target, model, inputs = case(arch)
+    ref = hf_greedy(model, inputs, NEW)
+    drafter = eagle3(target)
+    for kw in ({"tree_budget": 10}, {"chain": True}):
+        dec = glance_rt.Decoder(target, drafter, max_length=256, gate=False, **kw)
+        out = dec.generate(max_new_tokens=NEW, **inputs)
+        assert out.token_ids == ref, kw
+        assert out.stats.draft_passes >= drafter.depth  # a pass per depth each drafted round
+    assert glance_rt.Decoder(target, drafter, chain=True, max_length=256).tree_budget == drafter.depth
+
+
+@pytest.mark.parametrize("budget,depth,top_k,vocab", [(1, 1, 1, None), (6, 2, 4, 40), (24, 5, 2, None), (40, 3, 5, 60)])
+def test_eagle3_budgets_depths_and_draft_vocabularies(budget, depth, top_k, vocab):
+    target, model, inputs = case("qwen2")
+    ref = hf_greedy(model, inputs, NEW)
+    drafter = eagle3(target, depth=depth, top_k=top_k, vocab=vocab, seed=budget)
+    dec = glance_rt.Decoder(target, drafter, tree_budget=budget, max_length=256)  # the gate on
+    assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == ref
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_eagle3_sampling_equals_the_engines_own(arch):
+    target, _, inputs = case(arch)
+    sampling = glance_rt.Sampling(do_sample=True, temperature=0.9, top_k=20, seed=7)
+    ar = glance_rt.Decoder(target, None, max_length=256).generate(max_new_tokens=NEW, sampling=sampling, **inputs)
+    dec = glance_rt.Decoder(target, eagle3(target), tree_budget=12, max_length=256, gate=False)
+    assert dec.generate(max_new_tokens=NEW, sampling=sampling, **inputs).token_ids == ar.token_ids
+
+
+def scratch_log_probs(drafter: Eagle3Drafter, embed, feats, tokens, path) -> torch.Tensor:
+    """The head's draft log-probs after `path` (target ids drafted after the root), from scratch: a causal
+    pass over every row per step, no cache; the context rows' states are fc(features), each path row's
+    the previous row's output. tokens: the committed tokens, the root last."""
+    head, c = drafter.head, drafter.head.config
+    inv_freq, scaling = rope(c)
+    states, ids = list(head.fuse(feats)), list(tokens[1:])  # each context row: its state, its next token
+    for tok in [None, *path]:
+        if tok is not None:
+            states.append(h[0, -1])  # noqa: F821 (the previous step's output)
+            ids.append(tok)
+        cos, sin = rope_tables(inv_freq, torch.arange(len(states)), feats.dtype, scaling)
+        h, logits = head(embed(torch.tensor(ids))[None], torch.stack(states)[None], cos, sin, causal_attend)
+    return torch.log_softmax(logits[0, -1].float(), -1)
+
+
+def scratch_candidates(drafter: Eagle3Drafter, embed, feats, tokens):
+    """EAGLE's dynamic tree written out plainly over `scratch_log_probs`: every candidate in drafting
+    order -> (scores, target ids, parent candidates) (ties: the earlier candidate, a stable sort)."""
+    head, k = drafter.head, drafter.top_k
+    tid = head.target_ids
+
+    def best(scores, n):
+        return torch.sort(scores, descending=True, stable=True).indices[:n].tolist()
+
+    lp = scratch_log_probs(drafter, embed, feats, tokens, [])
+    cands = [(float(lp[i]), int(tid(torch.tensor(i))), -1, [int(tid(torch.tensor(i)))]) for i in best(lp, k)]
+    beam = list(range(len(cands)))
+    for _ in range(2, drafter.depth + 1):
+        first = len(cands)
+        for b in beam:
+            score, _, _, path = cands[b]
+            lp = scratch_log_probs(drafter, embed, feats, tokens, path)
+            for i in best(lp, k):
+                t = int(tid(torch.tensor(i)))
+                cands.append((score + float(lp[i]), t, b, [*path, t]))
+        beam = [first + j for j in best(torch.tensor([c[0] for c in cands[first:]]), k)]
+    return torch.tensor([c[0] for c in cands]), [c[1] for c in cands], [c[2] for c in cands]
+
+
+@pytest.mark.parametrize("depth,top_k,budget", [(3, 3, 12), (4, 2, 7)])
+def test_the_pass_grows_the_tree_written_out_from_scratch(depth, top_k, budget):
+    """The pass's cache, positions and ancestor masks: its candidates are EAGLE's over the head's
+    log-probabilities recomputed from scratch for every path (no cache, plain causal passes), score
+    for score, and its tree holds the budget's best of them."""
+    from glance_rt.round.eagle3 import Eagle3Pass
+
+    target, _, inputs = case("llama")
+    drafter = eagle3(target, depth=depth, top_k=top_k, vocab=70, seed=4)
+    embed = target.parts.text_model.embed_tokens
+    p = inputs["input_ids"].shape[1]
+    with torch.no_grad():
+        hidden = target.hf_model(**inputs, output_hidden_states=True).hidden_states
+        feats = torch.cat([hidden[i + 1][0] for i in drafter.target_layer_ids], -1)  # [p, 3H]
+        tokens = torch.cat([inputs["input_ids"][0], torch.tensor([5])])  # the prompt, then a root token
+        pas = Eagle3Pass(drafter, embed, 128)
+        score, ids, parent, passes = pas.grow(feats, tokens[1:], 0, p, budget, False)
+        want_score, want_ids, want_parent = scratch_candidates(drafter, embed, feats, tokens.tolist())
+        tree, _ = pas.draft_tree(feats, tokens[1:], 0, 5, p, budget, False)
+    assert passes == depth and ids.tolist() == want_ids and parent.tolist() == want_parent
+    torch.testing.assert_close(score, want_score, atol=1e-5, rtol=1e-5)
+    keep = sorted(torch.sort(want_score, descending=True, stable=True).indices[:budget].tolist())
+    assert tree.size == budget + 1 and tree.tokens[1:].tolist() == [want_ids[c] for c in keep]
+
+
+def test_the_loop_hands_the_head_the_committed_rows():
+    """Context rows are contiguous across drafted rounds and each row's token is the committed token
+    after it, the root last."""
+    target, _, inputs = case("qwen3")
+    dec = glance_rt.Decoder(target, eagle3(target), tree_budget=8, max_length=256)
+    calls, draft_tree = [], dec.passes.draft_tree
+
+    def spy(feats, tokens, ctx_start, bonus, block_start, budget, chain):
+        calls.append((feats.shape[0], tokens.clone(), ctx_start, bonus, block_start))
+        return draft_tree(feats, tokens, ctx_start, bonus, block_start, budget, chain)
+
+    dec.passes.draft_tree = spy
+    out = dec.generate(max_new_tokens=NEW, **inputs)
+    ids = torch.cat([inputs["input_ids"][0], torch.tensor(out.token_ids)])
+    assert calls and calls[0][2] == 0
+    for (m, tokens, start, bonus, block_start), nxt in zip(calls, [*calls[1:], None], strict=True):
+        assert m == block_start - start == tokens.shape[0]
+        assert torch.equal(tokens.cpu(), ids[start + 1 : block_start + 1]) and int(tokens[-1]) == bonus
+        if nxt is not None:
+            assert nxt[2] <= block_start < nxt[4]  # the next round's context starts at or before this root
