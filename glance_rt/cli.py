@@ -150,7 +150,10 @@ def _load(target_path, drafter_path, dtype, device):
 
     target = load_target(target_path, dtype=dtype, device=device)
     if drafter_path is not None:
-        return target, load_drafter(drafter_path, target)
+        from glance_rt.models.eagle3 import is_eagle3, load_eagle3
+
+        load = load_eagle3 if is_eagle3(drafter_path) else load_drafter  # an EAGLE-3 head's folder, or GLANCE's
+        return target, load(drafter_path, target)
     if target_path is None:
         try:
             return target, load_drafter(None, target)
@@ -238,9 +241,10 @@ def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> 
     ar_elapsed = time.perf_counter() - start
     n, m = len(result.token_ids), len(ref.token_ids)
     same = result.token_ids == ref.token_ids
-    click.echo(f"GLANCE ({_describe(dec)}): {n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, "
+    name = "EAGLE-3" if dec.grows_tree else "GLANCE"
+    click.echo(f"{name} ({_describe(dec)}): {n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tok/s, "
                f"{result.stats.mean_accepted:.2f} tokens per round ({result.stats.rounds} rounds, "
-               f"{result.stats.draft_passes} drafted; tau {result.stats.tau:.2f})")
+               f"{result.stats.draft_passes} draft passes; tau {result.stats.tau:.2f})")
     where = "same engine" if same_engine else "eager: --compare runs an engine's autoregression eagerly; `bench` " \
         "times an AR engine built with --no-drafter against it"
     click.echo(f"autoregressive ({where}):   {m} tokens in {ar_elapsed:.2f} s, {m / ar_elapsed:.1f} tok/s")

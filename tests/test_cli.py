@@ -102,6 +102,20 @@ def test_generate_chain_drafts_the_whole_block(root, tmp_path):
     assert result.exit_code == 0 and "GLANCE (a chain of 4, eager)" in result.stdout, result.output
 
 
+def test_generate_with_an_eagle3_head(root, tmp_path):
+    """`--drafter` takes an EAGLE-3 folder too (told apart by its architecture): the target's tokens."""
+    from glance_rt.models.eagle3 import init_eagle3, save_eagle3
+
+    path = model_folder("qwen3", root)
+    target = glance_rt.load_target(path)
+    layers = target.text_config.num_hidden_layers
+    save_eagle3(init_eagle3(target, target_layer_ids=(0, layers // 2, layers - 1)).head, tmp_path / "eagle3")
+    result = CliRunner().invoke(main, ["generate", "--target", path, "--drafter", str(tmp_path / "eagle3"),
+                                       "--prompt", "Hello there.", "--max-new-tokens", "8", "--compare"])
+    assert result.exit_code == 0, result.output
+    assert "EAGLE-3 (trees of 8, eager)" in result.stdout and "tokens identical: yes" in result.stdout
+
+
 def test_bad_inputs_give_clear_errors(root, tmp_path):
     path = model_folder("qwen3", root)
     runner = CliRunner()

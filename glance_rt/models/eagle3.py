@@ -408,6 +408,18 @@ def init_eagle3(target, draft_vocab_size: int | None = None, seed: int = 0, dept
     return Eagle3Drafter(head.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False), depth, top_k)
 
 
+def is_eagle3(path) -> bool:
+    """Whether a drafter folder holds an EAGLE-3 head (its config.json's architecture), not a GLANCE /
+    DFlash drafter."""
+    try:
+        d = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    archs = set(d.get("architectures") or ())
+    return bool(archs & {ARCHITECTURE, "Eagle3LlamaForCausalLM"}) or ("LlamaForCausalLM" in archs
+                                                                        and "draft_vocab_size" in d)
+
+
 def load_eagle3(path, target, depth: int = DEFAULT_DEPTH, top_k: int = DEFAULT_TOP_K) -> Eagle3Drafter:
     """An EAGLE-3 folder (SpecForge's, or `save_eagle3`'s) as a drafter for `target`."""
     head = read_eagle3(path, target.text_config.num_hidden_layers, dtype=target.dtype, device=target.device)
