@@ -144,3 +144,52 @@ def test_the_loop_hands_the_head_the_committed_rows():
         assert torch.equal(tokens.cpu(), ids[start + 1 : block_start + 1]) and int(tokens[-1]) == bonus
         if nxt is not None:
             assert nxt[2] <= block_start < nxt[4]  # the next round's context starts at or before this root
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_training_time_test_is_the_drafting_it_trains(steps):
+    """Row t of the unrolled training pass at step k gives the log-probs the head drafts with after the
+    path ids[t+2 .. t+1+k] from context rows [0, t] (recomputed from scratch), so a head trained here
+    drafts as it was trained."""
+    from glance_rt.tools.eagle3_train import ttt_forward, ttt_loss
+
+    target, _, inputs = case("llama")
+    drafter = eagle3(target, depth=3, vocab=70, seed=6)
+    embed = target.parts.text_model.embed_tokens
+    ids = inputs["input_ids"][0][:14]
+    with torch.no_grad():
+        hidden = target.hf_model(input_ids=ids[None], output_hidden_states=True).hidden_states
+        feats = torch.cat([hidden[i + 1][0] for i in drafter.target_layer_ids], -1)  # [L, 3H]
+        outs = ttt_forward(drafter.head, embed.weight, feats, ids, steps)
+        for k, state in enumerate(outs):
+            lp = torch.log_softmax(drafter.head.lm_head(drafter.head.norm(state)).float(), -1)
+            for t in (0, 4, 13 - 2 - k):
+                path = ids[t + 2 : t + 2 + k].tolist()
+                want = scratch_log_probs(drafter, embed, feats[: t + 1], ids[: t + 2].tolist(), path)
+                torch.testing.assert_close(lp[t], want, atol=1e-5, rtol=1e-5)
+        loss, weight, correct = ttt_loss(drafter.head, embed.weight, feats, ids, loss_from=5, steps=steps)
+    assert weight > 0 and torch.isfinite(loss) and correct.shape == (steps,)
+
+
+def test_training_time_test_trains():
+    """A few optimizer steps on one sequence lower the loss (gradients reach every weight)."""
+    from glance_rt.tools.eagle3_train import ttt_loss
+
+    target, _, inputs = case("qwen2")
+    drafter = eagle3(target, depth=3, seed=7)
+    head = drafter.head.requires_grad_(True).train()
+    ids = inputs["input_ids"][0]
+    with torch.no_grad():
+        hidden = target.hf_model(input_ids=ids[None], output_hidden_states=True).hidden_states
+        feats = torch.cat([hidden[i + 1][0] for i in drafter.target_layer_ids], -1)
+    embed = target.parts.text_model.embed_tokens.weight.detach()
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss, weight, _ = ttt_loss(head, embed, feats, ids, loss_from=1, steps=3)
+        opt.zero_grad()
+        (loss / weight).backward()
+        assert all(p.grad is not None for p in head.parameters())
+        opt.step()
+        losses.append(float(loss.detach() / weight))
+    assert losses[-1] < 0.8 * losses[0], losses
