@@ -460,7 +460,8 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, me
 @SUITE_IMAGES
 @click.option("--methods", default="ar,chain,tree-8,tree-16,tree-32,tree-64,adaptive,hf,hf-lookup", show_default=True,
               help="Comma-separated: ar, chain, tree-N, tree-N+lookup, tree-N+lookup-L (lookup rounds of L rows), "
-                   "adaptive (each optionally @compile, or @plain: eager without prepacked weights), hf, hf-lookup.")
+                   "adaptive, eagle3-N (with --eagle3) (each optionally @compile, or @plain: eager without prepacked "
+                   "weights), hf, hf-lookup.")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--warmup", default=1, show_default=True, type=int, help="Prompts run untimed first.")
 @DTYPE
@@ -472,9 +473,11 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, me
 @click.option("--json", "json_out", type=click.Path(), default=None, help="Machine-readable report.")
 @click.option("--report", "report_md", type=click.Path(), default=None, help="Markdown report.")
 @click.option("--plots", "plot_dir", type=click.Path(), default=None, help="Folder for PNG plots.")
+@click.option("--eagle3", "eagle3_path", type=click.Path(), default=None,
+              help="An EAGLE-3 head's folder: the eagle3-N methods draft with it (the baseline beside tree-N).")
 @sampling_options
 def bench(target_path, drafter_path, suite, per_kind, images, methods, max_new_tokens, warmup, dtype, device,
-          engines, engine_lookup, json_out, report_md, plot_dir, sampling):
+          engines, engine_lookup, json_out, report_md, plot_dir, eagle3_path, sampling):
     """Methods side by side in one process, interleaved per prompt, every output checked against HF greedy
     (with --temperature: against autoregressive sampling with the same seed, method ar)."""
     from glance_rt.tools import bench as bench_mod
@@ -486,7 +489,13 @@ def bench(target_path, drafter_path, suite, per_kind, images, methods, max_new_t
         cfg = bench_mod.BenchConfig(methods=tuple(m.strip() for m in methods.split(",") if m.strip()),
                                     max_new_tokens=max_new_tokens, warmup=warmup, engines=tuple(engines),
                                     engine_lookup=engine_lookup, sampling=sampling)
-        report = bench_mod.run_bench(target, drafter, rows, cfg, images, log=lambda m: click.echo(m, err=True))
+        eagle3 = None
+        if eagle3_path is not None:
+            from glance_rt.models.eagle3 import load_eagle3
+
+            eagle3 = load_eagle3(eagle3_path, target)
+        report = bench_mod.run_bench(target, drafter, rows, cfg, images, log=lambda m: click.echo(m, err=True),
+                                     eagle3=eagle3)
         bench_mod.write_outputs(report, json_out, report_md, plot_dir)
     except GlanceError as e:
         raise click.ClickException(str(e)) from e

@@ -19,7 +19,7 @@ DEFAULT_LOOKUP = 8  # largest n-gram a prompt-lookup chain matches (on a drafter
 DEFAULT_LOOKUP_BUDGET = 15  # rows a round of a long lookup match verifies, no draft pass (at most max_depth)
 DEFAULT_MAX_LENGTH = 2048  # a Decoder's static cache rows when nothing sizes it to a job
 MAX_SCRATCH_BLOCK = 64  # a round's scratch holds the drafter's block: at most MAX_BLOCK_SIZE rows
-KINDS = ("ar", "chain", "tree", "adaptive")
+KINDS = ("ar", "chain", "tree", "adaptive", "eagle3")
 BACKENDS = ("eager", "compile", "plain")  # plain: eager with the HF modules' own linear layers (no prepacking)
 
 
@@ -34,8 +34,10 @@ def default_backend(device) -> str:
 @dataclass(frozen=True)
 class Method:
     """How to decode. `kind`: "tree" (GLANCE trees of `tree_budget` draft nodes), "chain" (the
-    width-1 tree, DFlash-style), "ar" (autoregression through the same verify pass) or "adaptive"
-    (a budget bucket per round from the entropy law; needs a calibrated `AdaptiveBudget`).
+    width-1 tree, DFlash-style), "ar" (autoregression through the same verify pass), "adaptive"
+    (a budget bucket per round from the entropy law; needs a calibrated `AdaptiveBudget`) or
+    "eagle3" (an EAGLE-3 head's dynamic trees of `tree_budget` nodes: the baseline; its drafter is an
+    `Eagle3Drafter`, `glance_rt.load_eagle3`).
     `lookup`: prompt-lookup n-gram grafted into a drafter's trees (None: `DEFAULT_LOOKUP` where it
     applies, 0: none). `backend`: eager, compile or plain (None: `default_backend` of the target's
     device). `engine`: a built engine's folder (its manifest fixes the budget buckets, chain and
@@ -67,8 +69,8 @@ class Method:
 
     @classmethod
     def parse(cls, text: str) -> "Method":
-        """`ar`, `chain`, `tree-N`, `tree-N+lookup`, `tree-N+lookup-L` (lookup rounds of L rows) or
-        `adaptive`, each optionally `+always` (no draft gate) and `@compile` or `@plain`
+        """`ar`, `chain`, `tree-N`, `tree-N+lookup`, `tree-N+lookup-L` (lookup rounds of L rows),
+        `adaptive` or `eagle3-N`, each optionally `+always` (no draft gate) and `@compile` or `@plain`
         (`tree-8+lookup@compile`; none: the device's default backend, `@eager` names eager). A bare
         `tree-N` drafts with the drafter alone."""
         base, at, backend = text.strip().partition("@")
@@ -84,17 +86,21 @@ class Method:
         tree, plus, extra = base.partition("+")
         extra, dash, rows = extra.partition("-")
         lookup_budget = int(rows) if dash and extra == "lookup" and rows.isdigit() else None
+        if tree.startswith("eagle3-") and tree[7:].isdigit() and not plus:
+            return cls(kind="eagle3", tree_budget=int(tree[7:]), lookup=0, backend=backend, gate=not always)
         if (tree.startswith("tree-") and tree[5:].isdigit() and (plus, extra) in (("", ""), ("+", "lookup"))
                 and (not dash or lookup_budget is not None)):
             return cls(tree_budget=int(tree[5:]), lookup=DEFAULT_LOOKUP if extra else 0, backend=backend,
                        gate=not always, lookup_budget=lookup_budget)
-        raise GlanceError(f"unknown method {text!r}: use ar, chain, tree-N, tree-N+lookup, tree-N+lookup-L or "
-                          "adaptive, each optionally +always (draft every round) and @eager, @compile or @plain")
+        raise GlanceError(f"unknown method {text!r}: use ar, chain, tree-N, tree-N+lookup, tree-N+lookup-L, "
+                          "adaptive or eagle3-N, each optionally +always (draft every round) and @eager, @compile or "
+                          "@plain")
 
     @property
     def name(self) -> str:
         """The name `parse` reads back (engines: `…@engine:FOLDER`)."""
         base = f"tree-{self.tree_budget}" if self.kind == "tree" and self.tree_budget is not None else self.kind
+        base = f"eagle3-{self.tree_budget}" if self.kind == "eagle3" else base
         if self.kind == "tree" and self.lookup != 0:
             base += "+lookup" if self.lookup_budget is None else f"+lookup-{self.lookup_budget}"
         if self.kind != "ar" and not self.gate:

@@ -65,6 +65,33 @@ def test_vlm_skips_prompt_lookup_with_a_reason():
     assert rep["mismatches"] == [] and "Skipped" in markdown(rep)
 
 
+def test_glance_beside_eagle3(tmp_path):
+    """eagle3-N methods draft with the EAGLE-3 head given beside the GLANCE drafter; the report sets each
+    tree-N against eagle3-N (accepted length ratio, passes per round), and every output is still HF's."""
+    from glance_rt.models.eagle3 import init_eagle3
+
+    target, _, _ = tiny_target("qwen3")
+    layers = target.text_config.num_hidden_layers
+    eagle3 = init_eagle3(target, depth=3, top_k=2, target_layer_ids=(0, layers // 2, layers - 1))
+    cfg = BenchConfig(methods=("hf", "ar", "tree-6", "eagle3-6", "eagle3-4"), max_new_tokens=10, warmup=0)
+    rep = run_bench(target, glance_rt.init_drafter(target, block_size=4), ROWS[:2], cfg, progress=False, log=quiet,
+                    eagle3=eagle3)
+    assert rep["mismatches"] == [] and set(rep["overall"]) == {"hf", "ar", "tree-6", "eagle3-6", "eagle3-4"}
+    pair = rep["glance_vs_eagle3"]["tree-6 vs eagle3-6"]
+    assert set(pair) == {"overall", "chat", "extraction"}
+    e = pair["overall"]
+    assert e["tau_ratio"] == pytest.approx(e["glance_tau"] / e["eagle3_tau"])
+    assert e["eagle3_passes"] > e["glance_passes"]  # a pass per depth against one
+    assert "tree-4 vs eagle3-4" not in rep["glance_vs_eagle3"]  # no tree-4 in this run
+    assert "GLANCE against EAGLE-3 at equal budget (tree-6 vs eagle3-6)" in markdown(rep)
+    written = write_outputs(rep, plot_dir=tmp_path)
+    assert (tmp_path / "glance_vs_eagle3.png") in written
+    assert (tmp_path / "glance_vs_eagle3.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rep = run_bench(target, None, ROWS[:1], BenchConfig(methods=("hf", "ar", "eagle3-4"), max_new_tokens=4, warmup=0),
+                    progress=False, log=quiet)
+    assert "--eagle3" in rep["skipped"]["eagle3-4"]
+
+
 def test_no_drafter_skips_drafted_methods():
     target, _, _ = tiny_target("llama")
     rep = run_bench(target, None, ROWS[:1], BenchConfig(methods=("ar", "chain", "hf"), max_new_tokens=6, warmup=0),

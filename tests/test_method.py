@@ -18,6 +18,8 @@ from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_TREE_BUDGET, Method, defaul
     ("adaptive@compile", Method(kind="adaptive", lookup=0, backend="compile")),
     ("tree-8+lookup-15+always@compile", Method(tree_budget=8, lookup=DEFAULT_LOOKUP, backend="compile", gate=False,
                                                lookup_budget=15)),
+    ("eagle3-16", Method(kind="eagle3", tree_budget=16, lookup=0)),
+    ("eagle3-8+always@eager", Method(kind="eagle3", tree_budget=8, lookup=0, backend="eager", gate=False)),
 ])
 def test_parse_and_name_round_trip(text, want):
     assert Method.parse(text) == want
@@ -25,7 +27,8 @@ def test_parse_and_name_round_trip(text, want):
     assert Method.parse(want.name) == want
 
 
-@pytest.mark.parametrize("text", ["tree", "tree-x", "tree-8+lookahead", "chain@tensorrt", "beam-4", "tree-8@",
+@pytest.mark.parametrize("text", ["tree", "tree-x", "tree-8+lookahead", "chain@tensorrt", "beam-4", "tree-8@", "eagle3",
+                                  "eagle3-8+lookup",
                                   "tree-8+lookup-", "tree-8+lookup-x", "tree-8-15"])
 def test_unknown_methods_are_refused(text):
     with pytest.raises(glance_rt.GlanceError, match="method|backend"):
@@ -97,6 +100,21 @@ def test_a_chain_drafts_the_drafters_whole_block_by_default():
     assert glance_rt.Decoder(target, drafter, max_length=128).tree_budget == DEFAULT_TREE_BUDGET
     assert glance_rt.Decoder.from_method(Method.parse("chain"), target, drafter, max_length=128).tree_budget == 15
     assert Method.parse("chain").tree_budget is None and job_max_length(100, 128, [None]) == 320
+
+
+def test_eagle3_methods_take_eagle3_heads():
+    from glance_rt.models.eagle3 import init_eagle3
+    from tests.conftest import tiny_target
+
+    target, _, _ = tiny_target("llama")
+    layers = target.text_config.num_hidden_layers
+    head = init_eagle3(target, depth=3, target_layer_ids=(0, layers // 2, layers - 1))
+    dec = glance_rt.Decoder.from_method(Method.parse("eagle3-6"), target, head, max_length=128)
+    assert dec.method_name == "eagle3-6" and dec.tree_budget == 6 and dec.lookup == 0
+    with pytest.raises(glance_rt.GlanceError, match="EAGLE-3 head"):
+        glance_rt.Decoder.from_method(Method.parse("eagle3-6"), target, glance_rt.init_drafter(target), max_length=128)
+    with pytest.raises(glance_rt.GlanceError, match="not an EAGLE-3 head"):
+        glance_rt.Decoder.from_method(Method.parse("tree-6"), target, head, max_length=128)
 
 
 def test_job_max_length():

@@ -146,10 +146,15 @@ def engine_method(dec, folder) -> str:
     return f"{dec.method_name}:{Path(folder).name}"
 
 
-def make_runner(method: str, target, drafter, cfg: BenchConfig):
+def make_runner(method: str, target, drafter, cfg: BenchConfig, eagle3=None):
+    """`eagle3`: the EAGLE-3 head (`Eagle3Drafter`) that eagle3-N methods draft with; the others take
+    `drafter`."""
     if method in ("hf", "hf-lookup"):
         return _hf_runner(target, cfg, lookup=method == "hf-lookup")
-    return _glance_runner(target, drafter, cfg, Method.parse(method))
+    parsed = Method.parse(method)
+    if parsed.kind == "eagle3" and eagle3 is None:
+        raise Skip("needs an EAGLE-3 head (pass --eagle3 PATH)")
+    return _glance_runner(target, eagle3 if parsed.kind == "eagle3" else drafter, cfg, parsed)
 
 
 REFERENCE_NAMES = {"hf": "HF greedy", "ar": "autoregressive sampling with the same seed"}
@@ -186,8 +191,9 @@ def _peak_mb(device) -> float:
 
 
 def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=None, progress: bool = True,
-              log=print) -> dict:
-    """Run every method on every prompt, interleaved; returns the report (partial if interrupted)."""
+              log=print, eagle3=None) -> dict:
+    """Run every method on every prompt, interleaved; returns the report (partial if interrupted).
+    `eagle3`: the EAGLE-3 head the eagle3-N methods draft with (the baseline beside GLANCE's tree-N)."""
     from tqdm.auto import tqdm
 
 
@@ -205,7 +211,7 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
     for m in cfg.methods:
         try:
             if m.partition("@")[0] != "adaptive":
-                runners[m] = make_runner(m, target, drafter, cfg)
+                runners[m] = make_runner(m, target, drafter, cfg, eagle3)
         except Skip as e:
             skipped[m] = str(e)
             log(f"[bench] skipping {m}: {e}")
@@ -375,8 +381,31 @@ def build_report(records, skipped, mismatches, partial, target, cfg: BenchConfig
         "overall": {m: method_summary(records, m) for m in methods},
         "kinds": {k: {m: method_summary(records, m, k) for m in methods} for k in kinds},
         "chain_beats_tree": _chain_vs_tree(records),
+        "glance_vs_eagle3": _glance_vs_eagle3(records),
         "records": [asdict(r) | {"tok_s": r.tok_s} for r in records],
     }
+
+
+def _glance_vs_eagle3(records: list[Record]) -> dict:
+    """At each budget run both ways on the same backend (tree-N, the drafter alone, against eagle3-N):
+    GLANCE's accepted length per drafted round over EAGLE-3's, and draft passes per round of each,
+    overall and per kind (the paper's comparison)."""
+    out = {}
+    methods = {r.method for r in records}
+    for e in sorted(m for m in methods if m.startswith("eagle3-")):
+        base, at, backend = e.partition("@")
+        glance = f"tree-{base.removeprefix('eagle3-')}" + (f"@{backend}" if at else "")
+        if glance not in methods:
+            continue
+        entry = {}
+        for kind in [None, *dict.fromkeys(r.kind for r in records)]:
+            g, b = method_summary(records, glance, kind), method_summary(records, e, kind)
+            if g["tau"] and b["tau"]:
+                entry[kind or "overall"] = {"tau_ratio": g["tau"] / b["tau"], "glance_tau": g["tau"],
+                                            "eagle3_tau": b["tau"], "glance_passes": g["draft_passes_per_round"],
+                                            "eagle3_passes": b["draft_passes_per_round"]}
+        out[f"{glance} vs {e}"] = entry
+    return out
 
 
 def _chain_vs_tree(records: list[Record]) -> dict:
@@ -433,6 +462,13 @@ def markdown(report: dict) -> str:
     own = [f"{m} vs {s['ar_method']}" for m, s in report["overall"].items()
            if s.get("ar_method", "ar") not in ("ar", m)]
     lines += ["", "Same-engine AR is eager `ar`, except: " + "; ".join(own) + "."] if own else []
+    for pair, kinds in (report.get("glance_vs_eagle3") or {}).items():
+        if kinds:
+            lines += ["", f"GLANCE against EAGLE-3 at equal budget ({pair}): accepted length per drafted round "
+                      "and draft passes per round:", "", "| kind | GLANCE τ | EAGLE-3 τ | ratio | GLANCE passes | "
+                      "EAGLE-3 passes |", "|---|---|---|---|---|---|"]
+            lines += [f"| {k} | {e['glance_tau']:.2f} | {e['eagle3_tau']:.2f} | {e['tau_ratio']:.2f} | "
+                      f"{e['glance_passes']:.2f} | {e['eagle3_passes']:.2f} |" for k, e in kinds.items()]
     lines += ["", "Per kind, median speedup over same-engine AR (per-prompt ratios):", "",
               "| kind | " + " | ".join(report["overall"]) + " |", "|---" * (len(report["overall"]) + 1) + "|"]
     for kind, ms in report["kinds"].items():
@@ -484,7 +520,8 @@ def _rows_order(rows) -> int:
 
 
 def plots(report: dict, folder) -> list[Path]:
-    """speedup.png (per method and kind), tau_hist.png, tau_vs_entropy.png."""
+    """speedup.png (per method and kind), tau_hist.png, tau_vs_entropy.png, and glance_vs_eagle3.png where
+    the run sets tree-N against eagle3-N."""
     require("plot", "matplotlib")
     import matplotlib
 
@@ -538,6 +575,27 @@ def plots(report: dict, folder) -> list[Path]:
     ax.set_title(f"the entropy law ({main})")
     _legend(ax)
     out.append(_save(fig, folder / "tau_vs_entropy.png"))
+    pairs = [pair.split(" vs ") for pair, kinds in (report.get("glance_vs_eagle3") or {}).items() if kinds]
+    if pairs:  # the entropy law of GLANCE and of EAGLE-3 at each equal budget, every kind together
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for pair in pairs:
+            for m in pair:
+                pts = [(e, a) for r in report["records"] if r["method"] == m
+                       for e, a in zip(r["root_entropy"], r["accepted_lengths"], strict=True)]
+                if not pts:
+                    continue
+                x, y = np.asarray(pts).T
+                dots = ax.scatter(x, y + np.random.default_rng(1).uniform(-0.15, 0.15, len(y)), s=6, alpha=0.3)
+                law = report["overall"][m]["entropy_law"]
+                if law["slope"] is not None:
+                    xs = np.linspace(x.min(), x.max(), 20)
+                    ax.plot(xs, law["intercept"] + law["slope"] * xs, color=dots.get_facecolor()[0], lw=2,
+                            label=f"{m} (τ={report['overall'][m]['tau']:.2f})")
+        ax.set_xlabel("target next-token entropy at the root (nats)")
+        ax.set_ylabel("tokens committed per round")
+        ax.set_title("the entropy law: GLANCE against EAGLE-3")
+        _legend(ax)
+        out.append(_save(fig, folder / "glance_vs_eagle3.png"))
     return out
 
 
