@@ -513,7 +513,13 @@ def _method_decoder(method: Method, target_path, drafter_path, dtype, device, ma
     if method.engine is not None:
         dec = _engine_decoder(method, target_path, drafter_path)
         return dec.target, dec, encode(dec.target)
+    from dataclasses import replace
+
+    from glance_rt.models.eagle3 import Eagle3Drafter
+
     target, drafter = _load(target_path, drafter_path, dtype, device)
+    if isinstance(drafter, Eagle3Drafter) and method.kind == "tree":  # --drafter named an EAGLE-3 head: its trees
+        method = replace(method, kind="eagle3", lookup=0 if method.lookup is None else method.lookup)
     encoded = encode(target)
     if max_length is None:
         longest = max(e["input_ids"].shape[1] for e in encoded)

@@ -231,9 +231,13 @@ class Decoder:
         None decodes autoregressively). `max_length`: static cache rows (None: `DEFAULT_MAX_LENGTH`;
         an engine has its own). `policy`: the calibrated AdaptiveBudget of an "adaptive" method."""
         drafter = None if method.kind == "ar" else drafter
-        if (method.kind == "eagle3") != isinstance(drafter, Eagle3Drafter) and drafter is not None:
-            raise GlanceError(f"method {method.name} needs " + ("an EAGLE-3 head (glance_rt.load_eagle3; bench: "
-                              "--eagle3 PATH)" if method.kind == "eagle3" else "a GLANCE drafter, not an EAGLE-3 head"))
+        eagle3 = isinstance(drafter, Eagle3Drafter)
+        if method.kind == "eagle3" and drafter is not None and not eagle3:
+            raise GlanceError(f"method {method.name} needs an EAGLE-3 head (glance_rt.load_eagle3; bench: "
+                              "--eagle3 PATH)")
+        if method.kind in ("tree", "adaptive") and eagle3:  # (a chain is either drafter's)
+            raise GlanceError(f"method {method.name} needs a GLANCE drafter, not an EAGLE-3 head (its trees: "
+                              f"eagle3-{method.tree_budget})")
         if method.engine is not None:
             return cls.from_engine(method.engine, target, drafter, tree_budget=method.tree_budget, lookup=method.lookup,
                                    gate=None if method.gate else False, lookup_budget=method.lookup_budget)
