@@ -151,7 +151,9 @@ class DraftAttention(nn.Module):
 
 
 class DraftMLP(nn.Module):
-    def __init__(self, c: DrafterConfig):
+    """SwiGLU over `c.hidden_size` and `c.intermediate_size` (the GLANCE drafter's and the EAGLE-3 head's)."""
+
+    def __init__(self, c):
         super().__init__()
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
@@ -378,15 +380,21 @@ def _config_from_json(d: dict) -> DrafterConfig:
 def save_drafter(drafter: GlanceDrafter, path, dtype: torch.dtype | None = None) -> None:
     """Write `config.json` + `model.safetensors` into a temp folder, then rename it into place,
     so an interrupted save never leaves a folder that looks complete."""
+    dtype = dtype or next(drafter.parameters()).dtype
+    write_model_folder(drafter, _config_json(drafter.config, dtype), path, dtype)
+
+
+def write_model_folder(module: nn.Module, config: dict, path, dtype: torch.dtype) -> None:
+    """`module`'s state dict (floating tensors as `dtype`) as `model.safetensors` beside `config` as
+    `config.json`, written as one folder (`atomic_folder`)."""
     from safetensors.torch import save_file
 
-    dtype = dtype or next(drafter.parameters()).dtype
     state = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
-             for k, v in drafter.state_dict().items()}
+             for k, v in module.state_dict().items()}
 
     def write(tmp: Path) -> None:
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(_config_json(drafter.config, dtype), indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
 
     atomic_folder(path, write)
 

@@ -23,12 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glance_rt.errors import GlanceError
-from glance_rt.files import atomic_folder
-from glance_rt.models.drafter import STATIC_ROPE_TYPES, RMSNorm
+from glance_rt.models.drafter import STATIC_ROPE_TYPES, DraftMLP, RMSNorm, write_model_folder
 from glance_rt.models.target import apply_rope
 
 
@@ -90,22 +88,11 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(nh * d, h, bias=False)
 
 
-class Eagle3MLP(nn.Module):
-    def __init__(self, c: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Eagle3Layer(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
         self.self_attn = Eagle3Attention(c)
-        self.mlp = Eagle3MLP(c)
+        self.mlp = DraftMLP(c)  # the GLANCE drafter's SwiGLU MLP, same names
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)  # the token embedding's
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)  # the state's
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -285,17 +272,8 @@ def _config_from_json(d: dict, num_target_layers: int | None) -> Eagle3Config:
 def save_eagle3(head: Eagle3Head, path, dtype: torch.dtype | None = None) -> None:
     """Write the folder vLLM, SGLang and SpecForge load: `config.json` + `model.safetensors` (written
     into a temp folder, then renamed into place)."""
-    from safetensors.torch import save_file
-
     dtype = dtype or head.fc.weight.dtype
-    state = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
-             for k, v in head.state_dict().items()}
-
-    def write(tmp: Path) -> None:
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(_config_json(head.config, dtype), indent=2))
-
-    atomic_folder(path, write)
+    write_model_folder(head, _config_json(head.config, dtype), path, dtype)
 
 
 def read_eagle3(path, num_target_layers: int | None = None, dtype: torch.dtype = torch.float32,
