@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from glance_rt import GlanceError
-from glance_rt.models.drafter import rope_tables
-from glance_rt.models.eagle3 import Eagle3Config, Eagle3Head, default_layer_ids, read_eagle3, rope, save_eagle3
+from glance_rt.models.drafter import rope, rope_tables
+from glance_rt.models.eagle3 import Eagle3Config, Eagle3Head, default_layer_ids, read_eagle3, save_eagle3
 from tests.eagle3_reference import ReferenceEagle3, reference_config, reference_from_folder
 
 CFG = Eagle3Config(hidden_size=32, target_hidden_size=48, vocab_size=100, draft_vocab_size=40,

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import glance_rt
-from glance_rt.models.drafter import rope_tables
-from glance_rt.models.eagle3 import Eagle3Drafter, init_eagle3, rope
+from glance_rt.models.drafter import rope, rope_tables
+from glance_rt.models.eagle3 import Eagle3Drafter, init_eagle3
 from tests.conftest import hf_greedy, tiny_target
 from tests.test_eagle3 import causal_attend
 from tests.tiny_models import ARCHS, VLM_ARCHS, make_inputs

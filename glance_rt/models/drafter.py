@@ -205,9 +205,11 @@ def rope_tables(inv_freq: Tensor, positions: Tensor, dtype, scaling: float = 1.0
 
 
 @functools.lru_cache(maxsize=16)
-def rope(c: DrafterConfig) -> tuple[Tensor, float]:
+def rope(c) -> tuple[Tensor, float]:
     """-> (inv_freq [D/2], attention_scaling): exactly what transformers' `Qwen3RotaryEmbedding` (the
-    rotary embedding of DFlash's reference drafter) computes for this config, scaled types included."""
+    rotary embedding of DFlash's reference drafter) computes for this config, scaled types included.
+    `c`: a DrafterConfig or an `Eagle3Config` (the EAGLE-3 head's Llama rotary embedding computes the same
+    tables; its tests check them against `LlamaRotaryEmbedding`)."""
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 

@@ -17,7 +17,6 @@ own copy, `embed_tokens`). Attention goes through an `attend(q, k, v)` the calle
 drafter's own KV cache and mask), as the GLANCE drafter's does.
 """
 
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,20 +150,6 @@ class Eagle3Head(nn.Module):
     def target_ids(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocabulary ids -> target token ids (`d2t` holds the offsets)."""
         return draft_ids + self.d2t[draft_ids]
-
-
-@functools.lru_cache(maxsize=16)
-def rope(c: Eagle3Config) -> tuple[Tensor, float]:
-    """-> (inv_freq [D/2], attention_scaling) as transformers' `LlamaRotaryEmbedding` computes them for
-    this config (the head is a Llama layer in every runtime), scaled RoPE types included."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    hf = LlamaConfig(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
-                     num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
-                     rope_parameters=c.rope_parameters)
-    emb = LlamaRotaryEmbedding(hf)
-    return emb.inv_freq.float(), float(emb.attention_scaling)
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from glance_rt.models.drafter import rope_tables
-from glance_rt.models.eagle3 import Eagle3Drafter, rope
+from glance_rt.models.drafter import rope, rope_tables
+from glance_rt.models.eagle3 import Eagle3Drafter
 from glance_rt.round.tree import Tree, _pack
 
 

@@ -178,12 +178,10 @@ class Decoder:
         eagle3 = isinstance(drafter, Eagle3Drafter)
         if lookup is None:
             lookup = DEFAULT_LOOKUP if drafter is not None and not chain and not eagle3 else 0
-        if lookup and eagle3:
-            raise GlanceError(f"lookup={lookup}: an EAGLE-3 drafter grows its own tree, with no prompt-lookup chain "
-                              "grafted in (yet); use lookup=0")
-        if lookup < 0 or (lookup and (chain or drafter is None)):
+        if lookup < 0 or (lookup and (chain or drafter is None or eagle3)):
             raise GlanceError(f"lookup={lookup}: prompt lookup takes an n-gram size >= 1 and grafts onto a "
-                              "drafter's tree (not a chain or autoregression); use lookup=0 there")
+                              "GLANCE drafter's tree (not a chain, autoregression or an EAGLE-3 head's own tree); "
+                              "use lookup=0 there")
         self.lookup = lookup
         kernels = self._kernels(prepack, self.backend.prepack and can_pack(target.parts.lm_head.weight))
         self.prepack = kernels is not None  # the kernels are chosen per layer (False: the plain weights)

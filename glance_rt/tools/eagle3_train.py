@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from glance_rt.models.drafter import rope_tables
-from glance_rt.models.eagle3 import Eagle3Head, rope
+from glance_rt.models.drafter import rope, rope_tables
+from glance_rt.models.eagle3 import Eagle3Head
 
 DEFAULT_STEPS = 7  # EAGLE-3's unroll (SpecForge's ttt_length)
 DEFAULT_DECAY = 0.8
