@@ -259,9 +259,18 @@ def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> 
               help="JSONL of {prompt, kind?, images?, split?} (default: the corpus shipped for the default target).")
 @click.option("--images", type=click.Path(), default=None, help="Folder the prompts' image paths are relative to.")
 @click.option("--out", required=True, type=click.Path(), help="Run folder (stages, checkpoints, drafter/, eval.json).")
-@click.option("--num-layers", default=1, show_default=True, type=int)
-@click.option("--block-size", default=8, show_default=True, type=int)
-@click.option("--target-layer-ids", default=None, help="Comma-separated target layers (default: DFlash's choice).")
+@click.option("--head", type=click.Choice(["glance", "eagle3"]), default="glance", show_default=True,
+              help="The drafter trained: a GLANCE block drafter, or the EAGLE-3 baseline head (one decoder layer "
+                   "over 3 fused target layers, training-time test), from the same data by the same loop.")
+@click.option("--num-layers", default=1, show_default=True, type=int, help="GLANCE: drafter decoder layers.")
+@click.option("--block-size", default=8, show_default=True, type=int, help="GLANCE: tokens per drafted block.")
+@click.option("--ttt-steps", default=7, show_default=True, type=int,
+              help="EAGLE-3: training-time test's unroll (steps drafted on the head's own states).")
+@click.option("--ttt-positions", type=click.Choice(["all", "anchors"]), default="all", show_default=True,
+              help="EAGLE-3: the loss at every response position (EAGLE-3's), or at GLANCE's anchors only "
+                   "(--blocks-per-seq of them: the same predicted tokens as a GLANCE run, at a fraction of the cost).")
+@click.option("--target-layer-ids", default=None,
+              help="Comma-separated target layers (default: DFlash's choice for GLANCE; EAGLE-3's 1, L//2-1, L-4).")
 @click.option("--response-tokens", default=128, show_default=True, type=int)
 @click.option("--response-batch", default=16, show_default=True, type=int)
 @click.option("--steps", default=1000, show_default=True, type=int)
@@ -299,18 +308,21 @@ def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> 
 @click.option("--until", type=click.Choice(["responses", "features", "train"]), default="train", show_default=True,
               help="Last stage to run: 'responses' only fills --store (and --out) with the target's answers.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its last complete stage/checkpoint.")
-def train(target_path, prompts, images, out, num_layers, block_size, target_layer_ids, response_tokens,
+def train(target_path, prompts, images, out, head, num_layers, block_size, ttt_steps, ttt_positions, target_layer_ids,
+          response_tokens,
           response_batch, steps, batch_size, blocks_per_seq, lr, gamma, seed, save_every, eval_every,
           eval_per_kind, eval_budget, eval_lookup, limit, per_kind, bf16, draft_vocab, mask_token_id,
           learned_mask, store, init_from, feature_mode, until, resume):
-    """Train a GLANCE drafter for a target by self-distillation (resumable; torchrun for data parallel)."""
+    """Train a GLANCE drafter (or an EAGLE-3 head) for a target by self-distillation (resumable; torchrun
+    for data parallel)."""
     try:
         from glance_rt.hf.target import load_target
         from glance_rt.tools.train import TrainConfig
         from glance_rt.tools.train import train as run_training
 
         ids = tuple(int(x) for x in target_layer_ids.split(",")) if target_layer_ids else None
-        cfg = TrainConfig(out=out, prompts=prompts, images=images, num_layers=num_layers, block_size=block_size,
+        cfg = TrainConfig(out=out, prompts=prompts, images=images, head=head, ttt_steps=ttt_steps,
+                          ttt_positions=ttt_positions, num_layers=num_layers, block_size=block_size,
                           target_layer_ids=ids, response_tokens=response_tokens, response_batch=response_batch,
                           steps=steps, batch_size=batch_size, blocks_per_seq=blocks_per_seq, lr=lr, gamma=gamma,
                           seed=seed, save_every=save_every, eval_every=eval_every, eval_per_kind=eval_per_kind,
@@ -324,7 +336,10 @@ def train(target_path, prompts, images, out, num_layers, block_size, target_laye
         raise click.ClickException(str(e)) from e
     if until != "train":
         click.echo(f"stopped after the {until} stage in {out}" + (f"; response store: {store}" if store else ""))
-    if result is not None:
+    if result is not None and head == "eagle3":
+        click.echo(f"EAGLE-3 head: {out}/drafter (the format SpecForge writes and vLLM / SGLang load; "
+                   f"glance-rt generate/bench --drafter or --eagle3)")
+    elif result is not None:
         problems = drafter.config.dflash_problems()
         click.echo(f"drafter: {out}/drafter (DFlash-compatible: "
                    + ("yes)" if not problems else "no, glance-rt only: " + "; ".join(problems) + ")"))

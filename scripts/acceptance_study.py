@@ -32,7 +32,8 @@ TOPS = (4, 8)
 def answers(target, per_kind: int) -> list[dict]:
     """The held-out rows with `prompt_ids` and `response_ids` (the target's greedy 96-token answers)."""
     from glance_rt.tools.suites import default_corpus_path, read_prompts
-    from glance_rt.tools.train import TrainConfig, _stored_batch, heldout_rows, open_store
+    from glance_rt.tools.train import TrainConfig
+    from glance_rt.tools.training.data import _stored_batch, heldout_rows, open_store
 
     cfg = TrainConfig(out="", store=STORE, response_tokens=96, response_batch=16)  # out: unused here
     rows = heldout_rows(read_prompts(default_corpus_path()), per_kind)
@@ -46,7 +47,8 @@ def depth_hits(target, drafter, row: dict) -> dict:
 
     from glance_rt.hf.arch import extend_inputs
     from glance_rt.round.tree import prompt_lookup
-    from glance_rt.tools.train import block_forward, capture_features
+    from glance_rt.tools.training.data import capture_features
+    from glance_rt.tools.training.glance import block_forward
 
     ids = torch.tensor(row["prompt_ids"] + row["response_ids"])  # [L]
     p, length, b = len(row["prompt_ids"]), ids.shape[0], drafter.config.block_size

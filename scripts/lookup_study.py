@@ -72,7 +72,7 @@ def capped_tau(specs: list[str], per_kind: int, drafter_dir: str | None = None) 
     import glance_rt
     import glance_rt.round.tree as tree
     from glance_rt.tools.suites import default_corpus_path, read_prompts
-    from glance_rt.tools.train import heldout_rows
+    from glance_rt.tools.training.data import heldout_rows
 
     target = glance_rt.load_target(None)
     drafter = glance_rt.load_drafter(drafter_dir, target)

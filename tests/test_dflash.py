@@ -22,7 +22,8 @@ from glance_rt.models.drafter import (
     rope,
     rope_tables,
 )
-from glance_rt.tools.train import Sequence, block_loss, capture_features
+from glance_rt.tools.training.data import Sequence, capture_features
+from glance_rt.tools.training.glance import block_loss
 from tests.conftest import hf_greedy, tiny_target, vocab_drafter
 from tests.dflash_reference import load_reference, reference_chain
 from tests.tiny_models import make_inputs

@@ -151,7 +151,7 @@ def test_training_time_test_is_the_drafting_it_trains(steps):
     """Row t of the unrolled training pass at step k gives the log-probs the head drafts with after the
     path ids[t+2 .. t+1+k] from context rows [0, t] (recomputed from scratch), so a head trained here
     drafts as it was trained."""
-    from glance_rt.tools.eagle3_train import ttt_forward, ttt_loss
+    from glance_rt.tools.training.eagle3 import ttt_forward, ttt_loss
 
     target, _, inputs = case("llama")
     drafter = eagle3(target, depth=3, vocab=70, seed=6)
@@ -167,13 +167,13 @@ def test_training_time_test_is_the_drafting_it_trains(steps):
                 path = ids[t + 2 : t + 2 + k].tolist()
                 want = scratch_log_probs(drafter, embed, feats[: t + 1], ids[: t + 2].tolist(), path)
                 torch.testing.assert_close(lp[t], want, atol=1e-5, rtol=1e-5)
-        loss, weight, correct = ttt_loss(drafter.head, embed.weight, feats, ids, loss_from=5, steps=steps)
-    assert weight > 0 and torch.isfinite(loss) and correct.shape == (steps,)
+        loss, weight, accepted, chains = ttt_loss(drafter.head, embed.weight, feats, ids, 5, steps, 0.8)
+    assert weight > 0 and torch.isfinite(loss) and chains == 13 - 1 - 3 and chains <= accepted <= chains * (steps + 1)
 
 
 def test_training_time_test_trains():
     """A few optimizer steps on one sequence lower the loss (gradients reach every weight)."""
-    from glance_rt.tools.eagle3_train import ttt_loss
+    from glance_rt.tools.training.eagle3 import ttt_loss
 
     target, _, inputs = case("qwen2")
     drafter = eagle3(target, depth=3, seed=7)
@@ -186,7 +186,7 @@ def test_training_time_test_trains():
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
     losses = []
     for _ in range(8):
-        loss, weight, _ = ttt_loss(head, embed, feats, ids, loss_from=1, steps=3)
+        loss, weight, _, _ = ttt_loss(head, embed, feats, ids, 1, 3, 0.8)
         opt.zero_grad()
         (loss / weight).backward()
         assert all(p.grad is not None for p in head.parameters())

@@ -337,7 +337,7 @@ def test_engine_built_on_another_cpu_warns():
 
 
 def test_training_precision_is_measured():
-    from glance_rt.tools.train import use_bf16
+    from glance_rt.tools.training.loop import use_bf16
 
     cpu = torch.device("cpu")
     assert use_bf16(cpu, 8, 16, timer=lambda dt: 1.0 if dt == torch.bfloat16 else 2.0)

@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 
 from glance_rt import GlanceError
-from glance_rt.tools import train as T
 from glance_rt.tools.store import ResponseStore, store_key
+from glance_rt.tools.training import data as T
 from tests.conftest import tiny_target
 from tests.test_train import small_cfg
 

@@ -14,7 +14,9 @@ import glance_rt
 from glance_rt import GlanceError
 from glance_rt.models.drafter import read_drafter
 from glance_rt.round.draft import DraftPass
-from glance_rt.tools.train import TrainConfig, block_forward, capture_features, choose_draft_vocab, train
+from glance_rt.tools.train import TrainConfig, train
+from glance_rt.tools.training.data import capture_features, choose_draft_vocab
+from glance_rt.tools.training.glance import block_forward
 from tests.conftest import extend_inputs, hf_greedy, tiny_target
 from tests.tiny_models import make_images, make_inputs, make_tiny
 
@@ -116,7 +118,7 @@ def test_end_to_end_resume_and_reproducibility(tmp_path, monkeypatch):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
     # killed after the step-3 checkpoint, then resumed: the same drafter, no stage redone
-    import glance_rt.tools.train as tm
+    import glance_rt.tools.training.loop as tm
 
     real_lr = tm.lr_at
 
@@ -211,7 +213,7 @@ def test_data_parallel_two_processes_matches_one(tmp_path):
 def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
     import errno
 
-    import glance_rt.tools.train as tm
+    import glance_rt.tools.training.loop as tm
 
     target, _, _ = tiny_target("llama")
     cfg = small_cfg(tmp_path, "full")
@@ -253,7 +255,7 @@ def test_init_from_continues_a_glance_only_drafter_in_dflash_form(tmp_path):
     """--init-from copies every tensor the two drafters share; a learned mask and a draft vocabulary the
     new run does not use are dropped (how a glance-only drafter is continued into DFlash form)."""
     from glance_rt.models.drafter import check_dflash
-    from glance_rt.tools.train import start_from
+    from glance_rt.tools.training.glance import start_from
     from tests.conftest import vocab_drafter
 
     target, _, _ = tiny_target("llama")
@@ -284,7 +286,7 @@ def test_online_features_train_the_same_drafter_as_cached_ones(tmp_path):
 
 
 def test_the_best_checkpoint_by_heldout_loss_is_kept_and_shipped(tmp_path, monkeypatch):
-    import glance_rt.tools.train as tm
+    import glance_rt.tools.training.loop as tm
 
     target, _, _ = tiny_target("llama")
     cfg = small_cfg(tmp_path, steps=12)
@@ -315,7 +317,7 @@ def test_until_responses_fills_the_store_then_a_resume_trains(tmp_path):
 
 
 def test_training_rows_take_the_kinds_in_turn():
-    from glance_rt.tools.train import training_rows
+    from glance_rt.tools.training.data import training_rows
 
     kinds = [("a", "train"), ("a", "train"), ("a", "train"), ("b", "train"), ("b", "heldout"), ("c", "train")]
     rows = [{"kind": k, "split": s, "id": str(i)} for i, (k, s) in enumerate(kinds)]

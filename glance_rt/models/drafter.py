@@ -225,7 +225,7 @@ class GlanceDrafter(nn.Module):
     """Weights, config and the forward of a drafter: `context` + `context_kv` turn target features
     into every layer's keys and values, `forward` runs the block rows. The inference pass
     (`glance_rt.round.draft.DraftPass`, a KV cache and tree attention) and the training pass
-    (`glance_rt.tools.train.block_forward`, many blocks under a block-sparse mask) both call them."""
+    (`glance_rt.tools.training.glance.block_forward`, many blocks under a block-sparse mask) both call them."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()

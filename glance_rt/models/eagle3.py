@@ -140,16 +140,32 @@ class Eagle3Head(nn.Module):
         (`fuse` of the target's features for rows the target has seen, else the state this head
         returned for the row's parent). `attend(q, k, v)` -> attention output [1, nh, T, D]: it adds the
         cached rows and the mask. -> (the rows' next states [1, T, H], draft logits [1, T, Vd])."""
+        h = self.step(embeds, state, cos, sin, attend)
+        return h, self.lm_head(self.norm(h))
+
+    def step(self, embeds: Tensor, state: Tensor, cos: Tensor, sin: Tensor, attend) -> Tensor:
+        """`forward` without the logits: the rows' next states [1, T, H] (training reads the logits of
+        some rows only)."""
         t = embeds.shape[1]
         q, k, v = self.qkv(embeds, state, cos, sin)
         layer = self.midlayer
         h = state + layer.self_attn.o_proj(attend(q, k, v).transpose(1, 2).reshape(1, t, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h, self.lm_head(self.norm(h))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def target_ids(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocabulary ids -> target token ids (`d2t` holds the offsets)."""
         return draft_ids + self.d2t[draft_ids]
+
+    def use_vocabulary(self, target_ids: Tensor) -> None:
+        """Make the draft vocabulary the sorted target ids `target_ids` [Vd] (d2t and t2d, as SpecForge's
+        vocabulary mapping writes them)."""
+        c = self.config
+        if target_ids.shape != (c.draft_vocab_size,) or bool((target_ids[1:] <= target_ids[:-1]).any()):
+            raise GlanceError(f"a draft vocabulary is {c.draft_vocab_size} distinct sorted target ids")
+        with torch.no_grad():
+            self.d2t.copy_(target_ids - torch.arange(c.draft_vocab_size, device=target_ids.device))
+            self.t2d.zero_()
+            self.t2d[target_ids] = True
 
 
 # ----------------------------------------------------------------------------- checkpoints
