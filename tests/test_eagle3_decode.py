@@ -193,3 +193,30 @@ def test_training_time_test_trains():
         opt.step()
         losses.append(float(loss.detach() / weight))
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+@pytest.mark.parametrize("plan", ["mixed", "onednn", "slow-depth"])
+def test_eagle3_head_runs_the_kernels_chosen_for_it_and_stays_exact(arch, plan, tmp_path):
+    """The EAGLE-3 head gets the draft pass's kernel machinery (a module set per row class: a depth pass is
+    top_k rows, the first context pass the prompt's), checked whole against torch's own linear: the
+    tokens stay HF greedy whichever kernels run."""
+    from glance_rt.models.kernels import PREFILL_ROWS, KernelTuner
+    from tests.test_kernels import FakePassTimer, FakeTimer, mixed, mixed_transposed
+
+    target, model, inputs = case(arch)
+    drafter = eagle3(target, depth=3, top_k=3)
+    wins = (mixed, mixed_transposed) if plan == "mixed" else (lambda o, i, r: True,)
+    passes = FakePassTimer(*(["eagle3@3:"] if plan == "slow-depth" else []))
+    tuner = KernelTuner(FakeTimer(*wins), cache=tmp_path / "k.json", pass_timer=passes)
+    dec = glance_rt.Decoder(target, drafter, tree_budget=6, max_length=256, gate=False, prepack=tuner)
+    assert {k.split(":")[0] for k in passes.keys if k.startswith("eagle3")} == {f"eagle3@{PREFILL_ROWS}", "eagle3@3"}
+    draft = dec.kernel_choices["draft"]
+    kinds = {k for v in draft.values() for k in (v.values() if isinstance(v, dict) else [v])}
+    if plan == "mixed":
+        assert len(kinds) > 1
+    elif plan == "onednn":
+        assert kinds == {"onednn"}
+    else:  # the depth class ran no faster whole: torch's own there, the prefill class keeps oneDNN
+        assert all(v == {3: "mkl", PREFILL_ROWS: "onednn"} for v in draft.values())
+    assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(model, inputs, NEW)

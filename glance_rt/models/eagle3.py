@@ -122,7 +122,7 @@ class Eagle3Head(nn.Module):
     def fuse(self, feats: Tensor) -> Tensor:
         """Target features [..., 3 * H_target] (low, middle, high layer outputs, concatenated) -> the
         state of the first draft step [..., H]."""
-        return self.fc(feats.to(self.fc.weight.dtype))
+        return self.fc(feats.to(self.norm.weight.dtype))
 
     def qkv(self, embeds: Tensor, state: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Rows' token embeddings and states [1, T, H] at RoPE cos, sin [1, T, D] -> q [1, nh, T, D] and

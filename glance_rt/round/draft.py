@@ -123,9 +123,9 @@ class DraftPass(nn.Module):
         return self.step(ctx_feats, t(ctx_start), t(bonus), t(block_start), block_start + self.block_size)
 
 
-def planned(drafter: GlanceDrafter, plan: KernelPlan, rows: int) -> GlanceDrafter:
-    """A copy of `drafter` (its structure; the weights are shared) whose linear layers run `plan`'s kernels
-    at `rows` rows."""
+def planned(drafter: nn.Module, plan: KernelPlan, rows: int) -> nn.Module:
+    """A copy of `drafter` (a GLANCE drafter or an EAGLE-3 head: its structure; the weights are shared)
+    whose linear layers run `plan`'s kernels at `rows` rows."""
     copied = copy.deepcopy(drafter, memo={id(t): t for t in (*drafter.parameters(), *drafter.buffers())})
     swap_linears(copied, lambda linear: plan.linear(linear, rows))
     return copied

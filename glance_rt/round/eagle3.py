@@ -24,19 +24,28 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glance_rt.models.drafter import rope, rope_tables
-from glance_rt.models.eagle3 import Eagle3Drafter
+from glance_rt.models.eagle3 import Eagle3Drafter, Eagle3Head
+from glance_rt.models.kernels import KernelPlan, class_index
+from glance_rt.round.draft import planned
 from glance_rt.round.tree import Tree, _pack
 
 
 class Eagle3Pass(nn.Module):
-    def __init__(self, drafter: Eagle3Drafter, embed_tokens: nn.Module, max_len: int):
+    """Runs an `Eagle3Drafter` against a target's embeddings with its own static KV cache of `max_len`
+    committed rows (+ the scratch rows of one round's depths). `plan`: the linear layers' kernels per row
+    class, as the GLANCE draft pass runs them (a depth pass is `top_k` rows; the first round's context
+    pass the prompt's)."""
+
+    def __init__(self, drafter: Eagle3Drafter, embed_tokens: nn.Module, max_len: int, plan: KernelPlan | None = None):
         super().__init__()
         head = drafter.head
         c = head.config
         self.head, self.depth, self.top_k = head, drafter.depth, drafter.top_k
+        self.row_classes = plan.row_classes() if plan is not None else (drafter.top_k,)
+        self.heads = nn.ModuleList(head if plan is None else planned(head, plan, rows) for rows in self.row_classes)
         self.embed_tokens = head.embed_tokens if c.own_embeddings else embed_tokens
         rows = max_len + drafter.depth * drafter.top_k  # committed rows, then one depth's rows per depth
-        w = head.fc.weight
+        w = head.norm.weight
         self.register_buffer("k", w.new_zeros(1, c.num_key_value_heads, rows, c.head_dim), persistent=False)
         self.register_buffer("v", w.new_zeros(1, c.num_key_value_heads, rows, c.head_dim), persistent=False)
         inv_freq, self.rope_scaling = rope(c)
@@ -51,10 +60,22 @@ class Eagle3Pass(nn.Module):
     def target_layer_ids(self) -> tuple[int, int, int]:
         return self.head.target_layer_ids
 
-    def rows(self, tokens: Tensor, states: Tensor, positions: Tensor, cache_rows: Tensor, visible: Tensor):
-        """One draft pass over T rows: tokens [T] (target ids), states [T, H], RoPE positions [T]; their
-        K and V go to `cache_rows` [T]; row i attends the cache rows where visible[i] [T, L] (its own
-        included). -> (next states [T, H], draft log-probs [T, Vd] fp32)."""
+    def head_for(self, rows: int) -> Eagle3Head:
+        """The head a pass of `rows` rows runs (its row class's kernels)."""
+        return self.heads[class_index(rows, self.row_classes)]
+
+    def kernel_modules(self) -> dict[int, list[nn.Module]]:
+        """{row class: the modules that run at it} (`glance_rt.models.kernels.kernel_summary`)."""
+        return {rows: [head] for rows, head in zip(self.row_classes, self.heads, strict=True)}
+
+    def rows(self, tokens: Tensor, states: Tensor, positions: Tensor, cache_rows: Tensor, visible: Tensor,
+             fuse: bool = False):
+        """One draft pass over T rows: tokens [T] (target ids), states [T, H] (`fuse`: the target's
+        features [T, F], fused first), RoPE positions [T]; their K and V go to `cache_rows` [T]; row i
+        attends the cache rows where visible[i] [T, L] (its own included). -> (next states [T, H], draft
+        log-probs [T, Vd] fp32)."""
+        head = self.head_for(tokens.shape[0])
+        states = head.fuse(states) if fuse else states
         cos, sin = rope_tables(self.inv_freq, positions, states.dtype, self.rope_scaling)
         length = visible.shape[1]
 
@@ -64,7 +85,7 @@ class Eagle3Pass(nn.Module):
             values = self.v[:, :, :length].repeat_interleave(self.groups, 1)
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[None, None])
 
-        h, logits = self.head(self.embed_tokens(tokens)[None], states[None], cos, sin, attend)
+        h, logits = head(self.embed_tokens(tokens)[None], states[None], cos, sin, attend)
         return h[0], torch.log_softmax(logits[0].float(), -1)
 
     def context(self, feats: Tensor, tokens: Tensor, start: int) -> tuple[Tensor, Tensor]:
@@ -73,7 +94,7 @@ class Eagle3Pass(nn.Module):
         m, dev = feats.shape[0], feats.device
         index = start + torch.arange(m, device=dev)
         visible = torch.arange(start + m, device=dev)[None, :] <= index[:, None]  # [m, start + m] causal
-        h, lp = self.rows(tokens, self.head.fuse(feats), index, index, visible)
+        h, lp = self.rows(tokens, feats, index, index, visible, fuse=True)
         return h[-1], lp[-1]
 
     @torch.inference_mode()

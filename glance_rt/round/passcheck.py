@@ -22,9 +22,11 @@ import torch
 from torch import Tensor
 
 from glance_rt.models.drafter import GlanceDrafter
+from glance_rt.models.eagle3 import Eagle3Drafter
 from glance_rt.models.kernels import KernelPlan, kernel_of, nearest_class, pass_key
 from glance_rt.models.target import TargetDecoder
 from glance_rt.round.draft import DraftPass
+from glance_rt.round.eagle3 import Eagle3Pass
 
 PROBE_CONTEXT = 128  # committed rows before a timed decode pass
 PROBE_PROMPT = 128  # rows of the timed prefill (a typical chat prompt)
@@ -37,10 +39,12 @@ def checked_plans(target, drafter, plans: tuple, feature_layers: tuple[int, ...]
     if verify is not None and verify.tuner is not None:
         verify = check_pass("verify", verify, lambda plan, n: TargetDecoder(target.parts, n, feature_layers, plan=plan),
                             probe_verify)
+    embed = target.parts.text_model.embed_tokens
     if draft is not None and draft.tuner is not None and isinstance(drafter, GlanceDrafter):
-        parts = target.parts
-        draft = check_pass("draft", draft, lambda plan, n: DraftPass(drafter, parts.text_model.embed_tokens,
-                                                                     parts.lm_head, n, plan=plan), probe_draft)
+        draft = check_pass("draft", draft, lambda plan, n: DraftPass(drafter, embed, target.parts.lm_head, n,
+                                                                     plan=plan), probe_draft)
+    elif draft is not None and draft.tuner is not None and isinstance(drafter, Eagle3Drafter):
+        draft = check_pass("eagle3", draft, lambda plan, n: Eagle3Pass(drafter, embed, n, plan=plan), probe_eagle3)
     return verify, draft
 
 
@@ -93,3 +97,20 @@ def probe_draft(dp: DraftPass, rows: int, t: int, start: int) -> Callable[[], ob
         return lambda: dp.context(feats, start_t)
     ctx: Tensor = feats[: max(t // 2, 1)]  # [m, F]
     return lambda: dp(ctx, start, 1, start + ctx.shape[0])
+
+
+def probe_eagle3(p: Eagle3Pass, rows: int, t: int, start: int) -> Callable[[], object]:
+    """The EAGLE-3 draft pass: at the prefill class, the context pass over a `t`-row prompt; at a depth's
+    class, one depth pass of `t` rows after `start` committed ones, each seeing them and itself."""
+    w = p.head.norm.weight
+    feats = torch.randn(t, p.head.fc.in_features, generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+    tokens = torch.arange(t, device=w.device) % p.embed_tokens.weight.shape[0]
+    if start == 0:
+        return lambda: p.context(feats, tokens, 0)
+    states = feats[:, : w.shape[0]].contiguous()  # [T, H]
+    rows_t = start + torch.arange(t, device=w.device)
+    visible = torch.zeros(t, start + t, dtype=torch.bool, device=w.device)
+    visible[:, :start] = True
+    visible[:, start:] = torch.eye(t, dtype=torch.bool, device=w.device)
+    position = torch.full((t,), start, device=w.device)
+    return lambda: p.rows(tokens, states, position, rows_t, visible)

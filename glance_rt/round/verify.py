@@ -343,13 +343,14 @@ def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], k
     if isinstance(drafter, Eagle3Drafter):
         check_target(drafter.head.config, target)
     layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
-    plans = kernel_plans(kernels, verify_rows, drafter.config.block_size if isinstance(drafter, GlanceDrafter) else 1)
+    block = drafter.config.block_size if isinstance(drafter, GlanceDrafter) else getattr(drafter, "top_k", 1)
+    plans = kernel_plans(kernels, verify_rows, block)  # (an EAGLE-3 depth pass runs top_k rows)
     plans = checked_plans(target, drafter, plans, layers)
     if isinstance(drafter, GlanceDrafter):
         drafter = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, max_len,
                             plan=plans[1])
     elif isinstance(drafter, Eagle3Drafter):
-        drafter = Eagle3Pass(drafter, target.parts.text_model.embed_tokens, max_len)
+        drafter = Eagle3Pass(drafter, target.parts.text_model.embed_tokens, max_len, plan=plans[1])
     if fuse is None:
         fuse = target.parts.lm_head.weight.is_cuda
     verifier = TargetDecoder(target.parts, max_len, layers, plan=plans[0], fuse=fuse and plans[0] is None)
