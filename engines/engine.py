@@ -26,7 +26,7 @@ from glance_rt.models.kernels import PREFILL_ROWS, KernelTuner, cpu_model, machi
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
 from glance_rt.round.tree import default_lookup_budget, max_depth, with_lookup_bucket
-from glance_rt.round.verify import Backend, static_graphs, static_passes, verify_rows
+from glance_rt.round.verify import Backend, check_graphable, static_graphs, static_passes, verify_rows
 
 ENGINE_BACKENDS = ("aoti", "onnxruntime", "tensorrt")
 # the first flavor is the default
@@ -68,6 +68,7 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     (onnxruntime and tensorrt, VLM targets): (W, H) image buckets to build vision graphs for.
     `lookup_budget` > 0 adds the verify graph of lookup rounds of that many rows (the CLI adds the
     default's, `default_lookup_budget`); `budgets` stay the tree budgets a load picks among."""
+    check_graphable(drafter)
     if backend not in FLAVORS:
         raise GlanceError(f"unknown engine backend {backend!r}: choose one of {', '.join(ENGINE_BACKENDS)}")
     if flavor is not None and flavor not in FLAVORS[backend]:

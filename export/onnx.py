@@ -29,7 +29,7 @@ from glance_rt.export.manifest import (
     write_manifest,
 )
 from glance_rt.export.vision import export_vision
-from glance_rt.round.verify import example_inputs, static_graphs, static_shapes
+from glance_rt.round.verify import check_graphable, example_inputs, static_graphs, static_shapes
 
 FLAVORS = ("portable", "plugin")
 DOMAIN, VERSION = "glance", 1
@@ -245,6 +245,7 @@ def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20
     """`glance-rt export`: ONNX graphs of `target` (+ `drafter`) and their manifest, in `out`;
     `image_sizes`: (W, H) image buckets to export a VLM's vision graphs for; `lookup_budget` > 0:
     the verify graph of lookup rounds of that many rows too (`lookup_buckets`)."""
+    check_graphable(drafter)
     tree_budgets = graph_budgets(drafter, budgets, max_len, chunk)
     budgets = lookup_buckets(drafter, chain, tree_budgets, lookup_budget)
     out = Path(out)

@@ -291,8 +291,8 @@ def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> 
               help="bf16 autocast and a bf16 lm_head copy, or fp32 (default: bf16 where it is measured faster: "
                    "GPUs, CPUs with AVX512-BF16 or AMX).")
 @click.option("--draft-vocab", default=0, show_default=True, type=int,
-              help="Glance-only draft vocabulary: the N most frequent response tokens (0: the whole vocabulary, "
-                   "as DFlash drafts).")
+              help="Draft vocabulary: the N most frequent response tokens (0: the whole vocabulary, as DFlash "
+                   "drafts). A GLANCE drafter with one is glance-rt only; an EAGLE-3 head maps it by d2t.")
 @click.option("--mask-token-id", default=None, type=int,
               help="Target token whose embedding masks the block (default: one no text uses; docs/training.md).")
 @click.option("--learned-mask", is_flag=True,

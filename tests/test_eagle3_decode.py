@@ -220,3 +220,18 @@ def test_eagle3_head_runs_the_kernels_chosen_for_it_and_stays_exact(arch, plan, 
     else:  # the depth class ran no faster whole: torch's own there, the prefill class keeps oneDNN
         assert all(v == {3: "mkl", PREFILL_ROWS: "onednn"} for v in draft.values())
     assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(model, inputs, NEW)
+
+
+def test_compile_export_and_engines_refuse_an_eagle3_head_with_the_reason(tmp_path):
+    from engines.engine import build_engine
+    from export.onnx import export_model
+
+    target, _, _ = case("llama")
+    drafter = eagle3(target)
+    with pytest.raises(glance_rt.GlanceError, match="EAGLE-3 head runs eagerly only"):
+        glance_rt.Decoder(target, drafter, backend="compile")
+    with pytest.raises(glance_rt.GlanceError, match="EAGLE-3 head runs eagerly only"):
+        export_model(target, drafter, tmp_path / "x", progress=False)
+    with pytest.raises(glance_rt.GlanceError, match="EAGLE-3 head runs eagerly only"):
+        build_engine(target, drafter, tmp_path / "y", progress=False)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

@@ -329,6 +329,17 @@ def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
 # ----------------------------------------------------------------------------- building the passes
 
 
+EAGLE3_EAGER = ("an EAGLE-3 head runs eagerly only (backend='eager', its linear layers on the kernels chosen for "
+                "this CPU): the compile backend, ONNX export and engines carry GLANCE drafters; graphs of the "
+                "head's context and per-depth passes are not built yet (docs/usage.md, EAGLE-3 heads)")
+
+
+def check_graphable(drafter) -> None:
+    """Refuse a drafter that fixed-shape graphs (compile, export, engines) do not carry."""
+    if isinstance(drafter, Eagle3Drafter):
+        raise GlanceError(EAGLE3_EAGER)
+
+
 def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], kernels, fuse: bool | None = None):
     """The modules a round runs, over `target`'s weights: (TargetDecoder with a `max_len`-row cache,
     the draft pass or None). A `GlanceDrafter` becomes a `DraftPass` (shared embeddings and lm_head);
@@ -369,6 +380,7 @@ def kernel_plans(kernels, verify_rows: tuple[int, ...], block: int) -> tuple:
 def static_graphs(target, drafter, max_len: int) -> StaticGraphs:
     """The fixed-shape graphs of `target` (+ a GlanceDrafter) over the plain weights: what engine
     builders trace."""
+    check_graphable(drafter)
     return StaticGraphs(*round_modules(target, drafter, max_len, (1,), None))
 
 
@@ -393,6 +405,8 @@ def static_passes(make_fns: Callable, chunk: int, exact_prefill: bool = False) -
         raise GlanceError(f"chunk must be at least 1, got {chunk}")
 
     def build(verifier: TargetDecoder, draft) -> StaticPasses:
+        if isinstance(draft, Eagle3Pass):
+            raise GlanceError(EAGLE3_EAGER)
         if draft is not None and not isinstance(draft, DraftPass):
             raise GlanceError("compiled and engine backends run a GlanceDrafter (glance_rt.load_drafter); "
                               "use backend='eager' for other drafter objects")

@@ -32,7 +32,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     gamma: float = 7.0  # loss weight of depth k: exp(-(k-1)/gamma)
     bf16: bool | None = None  # bf16 autocast and a bf16 lm_head copy; None: where bf16 is measured faster (`use_bf16`)
-    draft_vocab: int | None = None  # glance-only: the N most frequent response tokens form the draft vocabulary
+    draft_vocab: int | None = None  # the N most frequent response tokens form the draft vocabulary
     mask_token_id: int | None = None  # None: `default_mask_token_id(target)`
     learned_mask: bool = False  # glance-only: a learned mask embedding instead of a mask token's
     init_from: str | None = None  # a drafter folder to start from (its matching tensors), instead of a random init
