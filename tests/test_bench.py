@@ -4,6 +4,7 @@ output checked against HF greedy, skips with reasons, and a valid partial report
 
 import json
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -82,6 +83,13 @@ def test_glance_beside_eagle3(tmp_path):
     e = pair["overall"]
     assert e["tau_ratio"] == pytest.approx(e["glance_tau"] / e["eagle3_tau"])
     assert e["eagle3_passes"] > e["glance_passes"]  # a pass per depth against one
+    assert e["glance_draft_ms"] > 0 and e["eagle3_draft_ms"] > 0 and e["glance_tok_s"] > 0 and e["eagle3_tok_s"] > 0
+    ov = rep["overall"]
+    assert e["glance_tok_s"] == ov["tree-6"]["tok_s"]["median"]
+    assert e["eagle3_tok_s"] == ov["eagle3-6"]["tok_s"]["median"]
+    by = {(r["prompt"], r["method"]): r["tok_s"] for r in rep["records"]}
+    ratios = sorted(by[(p, "tree-6")] / by[(p, "eagle3-6")] for p, m in by if m == "tree-6")
+    assert e["speed_ratio"] == pytest.approx(float(np.median(ratios)))
     assert "tree-4 vs eagle3-4" not in rep["glance_vs_eagle3"]  # no tree-4 in this run
     assert "GLANCE against EAGLE-3 at equal budget (tree-6 vs eagle3-6)" in markdown(rep)
     written = write_outputs(rep, plot_dir=tmp_path)

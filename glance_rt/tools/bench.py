@@ -386,10 +386,23 @@ def build_report(records, skipped, mismatches, partial, target, cfg: BenchConfig
     }
 
 
+def _draft_ms(summary: dict) -> float | None:
+    """Milliseconds of drafting per round counted in tau: draft passes and the tree built from them (GLANCE
+    builds its tree on the host after one pass, EAGLE-3 grows it between its passes: both phases)."""
+    rounds = sum(summary["tau_hist"])
+    t = summary["phase_seconds"]
+    return 1000 * (t.get("draft", 0.0) + t.get("tree", 0.0)) / rounds if rounds else None
+
+
+def _num(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}"
+
+
 def _glance_vs_eagle3(records: list[Record]) -> dict:
     """At each budget run both ways on the same backend (tree-N, the drafter alone, against eagle3-N):
-    GLANCE's accepted length per drafted round over EAGLE-3's, and draft passes per round of each,
-    overall and per kind (the paper's comparison)."""
+    GLANCE's accepted length per drafted round over EAGLE-3's, draft passes and drafting milliseconds per
+    round of each, their tokens/s (median) and GLANCE's speed over EAGLE-3's (median of per-prompt
+    ratios), overall and per kind (the paper's comparison)."""
     out = {}
     methods = {r.method for r in records}
     for e in sorted(m for m in methods if m.startswith("eagle3-")):
@@ -403,7 +416,10 @@ def _glance_vs_eagle3(records: list[Record]) -> dict:
             if g["tau"] and b["tau"]:
                 entry[kind or "overall"] = {"tau_ratio": g["tau"] / b["tau"], "glance_tau": g["tau"],
                                             "eagle3_tau": b["tau"], "glance_passes": g["draft_passes_per_round"],
-                                            "eagle3_passes": b["draft_passes_per_round"]}
+                                            "eagle3_passes": b["draft_passes_per_round"],
+                                            "glance_draft_ms": _draft_ms(g), "eagle3_draft_ms": _draft_ms(b),
+                                            "glance_tok_s": g["tok_s"]["median"], "eagle3_tok_s": b["tok_s"]["median"],
+                                            "speed_ratio": _quartiles(_ratios(records, glance, e, kind))["median"]}
         out[f"{glance} vs {e}"] = entry
     return out
 
@@ -464,11 +480,15 @@ def markdown(report: dict) -> str:
     lines += ["", "Same-engine AR is eager `ar`, except: " + "; ".join(own) + "."] if own else []
     for pair, kinds in (report.get("glance_vs_eagle3") or {}).items():
         if kinds:
-            lines += ["", f"GLANCE against EAGLE-3 at equal budget ({pair}): accepted length per drafted round "
-                      "and draft passes per round:", "", "| kind | GLANCE τ | EAGLE-3 τ | ratio | GLANCE passes | "
-                      "EAGLE-3 passes |", "|---|---|---|---|---|---|"]
+            lines += ["", f"GLANCE against EAGLE-3 at equal budget ({pair}): accepted length per drafted round, "
+                      "draft passes and drafting ms per round, tokens/s (median) and GLANCE's speed over "
+                      "EAGLE-3's (median per-prompt ratio):", "",
+                      "| kind | GLANCE τ | EAGLE-3 τ | τ ratio | passes GLANCE / EAGLE-3 | draft ms GLANCE / EAGLE-3 "
+                      "| tok/s GLANCE / EAGLE-3 | speed ratio |", "|---|---|---|---|---|---|---|---|"]
             lines += [f"| {k} | {e['glance_tau']:.2f} | {e['eagle3_tau']:.2f} | {e['tau_ratio']:.2f} | "
-                      f"{e['glance_passes']:.2f} | {e['eagle3_passes']:.2f} |" for k, e in kinds.items()]
+                      f"{e['glance_passes']:.2f} / {e['eagle3_passes']:.2f} | {_num(e.get('glance_draft_ms'))} / "
+                      f"{_num(e.get('eagle3_draft_ms'))} | {_num(e.get('glance_tok_s'))} / "
+                      f"{_num(e.get('eagle3_tok_s'))} | {_num(e.get('speed_ratio'))} |" for k, e in kinds.items()]
     lines += ["", "Per kind, median speedup over same-engine AR (per-prompt ratios):", "",
               "| kind | " + " | ".join(report["overall"]) + " |", "|---" * (len(report["overall"]) + 1) + "|"]
     for kind, ms in report["kinds"].items():
