@@ -222,16 +222,40 @@ def test_eagle3_head_runs_the_kernels_chosen_for_it_and_stays_exact(arch, plan, 
     assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(model, inputs, NEW)
 
 
-def test_compile_export_and_engines_refuse_an_eagle3_head_with_the_reason(tmp_path):
+def test_export_and_engines_refuse_an_eagle3_head_with_the_reason(tmp_path):
     from engines.engine import build_engine
     from export.onnx import export_model
 
     target, _, _ = case("llama")
     drafter = eagle3(target)
-    with pytest.raises(glance_rt.GlanceError, match="EAGLE-3 head runs eagerly only"):
-        glance_rt.Decoder(target, drafter, backend="compile")
-    with pytest.raises(glance_rt.GlanceError, match="EAGLE-3 head runs eagerly only"):
+    with pytest.raises(glance_rt.GlanceError, match="EAGLE-3 head runs on the eager and compile backends"):
         export_model(target, drafter, tmp_path / "x", progress=False)
-    with pytest.raises(glance_rt.GlanceError, match="EAGLE-3 head runs eagerly only"):
+    with pytest.raises(glance_rt.GlanceError, match="EAGLE-3 head runs on the eager and compile backends"):
         build_engine(target, drafter, tmp_path / "y", progress=False)
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_compiled_eagle3_passes_are_lossless_and_never_recompile(arch):
+    """backend="compile": the head's context pass (chunks of C rows) and its depth passes (k rows, a mask
+    over the whole cache) are fixed-shape compiled graphs; trees and chains give HF greedy's tokens, and
+    prompts of other lengths add no graph after the first generation."""
+    from tests.test_passes import unique_graphs
+
+    torch._dynamo.reset()
+    target, model, processor = tiny_target(arch)
+    inputs = make_inputs(arch, processor, n_images=1 if arch in VLM_ARCHS else 0)
+    drafter = eagle3(target, depth=3, top_k=3)
+    for kw in ({"tree_budget": 6}, {"chain": True}):
+        dec = glance_rt.Decoder(target, drafter, max_length=256, gate=False, backend="compile", chunk=8, **kw)
+        before = unique_graphs()
+        assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(model, inputs, NEW)
+        warm = unique_graphs()
+        if "tree_budget" in kw:  # verify, context, depth (k rows): one graph each (prefill runs eagerly); the
+            assert warm - before == 3  # chain's decoder may reuse the context graph (same code and shapes)
+        vlm = arch in VLM_ARCHS
+        for prompt, n_images, new in [("Hi", 0, 20), ("Count the objects, then name their colours, one by one.",
+                                                       2 if vlm else 0, 14)]:
+            other = make_inputs(arch, processor, prompt=prompt, n_images=n_images, seed=new)
+            assert dec.generate(max_new_tokens=new, **other).token_ids == hf_greedy(model, other, new)
+        assert unique_graphs() == warm

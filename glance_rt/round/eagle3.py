@@ -97,19 +97,42 @@ class Eagle3Pass(nn.Module):
         h, lp = self.rows(tokens, feats, index, index, visible, fuse=True)
         return h[-1], lp[-1]
 
+    def depth_rows(self, budget: int, chain: bool) -> int:
+        """Rows of each depth pass: the beam, `top_k` nodes (1 for a chain; at most the budget)."""
+        return 1 if chain else min(self.top_k, budget, self.head.config.draft_vocab_size)
+
+    @property
+    def cache_rows(self) -> int:
+        return self.k.shape[2]
+
+    def static_context(self, feats: Tensor, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """`context` at a fixed row count C (a compiled graph's): features [C, F], next tokens [C] and
+        positions [C] of the rows (a short chunk is padded by repeating its last row, which writes the same
+        K and V to the same row again); each row sees the cache rows up to its own, over the whole cache.
+        -> the last row's next state [H] and log-probs [Vd]."""
+        visible = torch.arange(self.cache_rows, device=feats.device)[None, :] <= positions[:, None]  # [C, L]
+        h, lp = self.rows(tokens, feats, positions, positions, visible, fuse=True)
+        return h[-1], lp[-1]
+
     @torch.inference_mode()
     def draft_tree(self, feats: Tensor, tokens: Tensor, ctx_start: int, root: int, start: int, budget: int,
-                   chain: bool) -> tuple[Tree, int]:
+                   chain: bool, graphs=None) -> tuple[Tree, int]:
         """The round's tree of `budget` draft nodes under `root` (at position `start`), from the context
-        rows [ctx_start, start): features [m, F], next tokens [m]. -> (Tree, draft passes run)."""
-        score, ids, parent, passes = self.grow(feats, tokens, ctx_start, start, budget, chain)
-        return _select(root, score, ids, parent, budget, chain), passes
+        rows [ctx_start, start): features [m, F], next tokens [m]. `graphs`: the fixed-shape context and
+        depth passes (`StaticPasses`; None: this module's, eagerly). -> (Tree, draft passes run)."""
+        score, ids, parent, n = self.grow(feats, tokens, ctx_start, start, budget, chain, graphs)
+        return _select(root, score, ids, parent, budget, chain), n
 
-    def grow(self, feats: Tensor, tokens: Tensor, ctx_start: int, start: int, budget: int, chain: bool):
+    def grow(self, feats: Tensor, tokens: Tensor, ctx_start: int, start: int, budget: int, chain: bool,
+             graphs=None):
         """Every candidate of the round in drafting order (depth 1's k, then k*k a depth, beam-major):
-        -> (cumulative log-probs [C] fp32, target ids [C], parent candidate [C] (-1: the root), passes)."""
-        state, lp = self.context(feats, tokens, ctx_start)
-        k = 1 if chain else min(self.top_k, budget, lp.shape[0])
+        -> (cumulative log-probs [C] fp32, target ids [C], parent candidate [C] (-1: the root), passes).
+        With fixed-shape `graphs`, each depth's mask spans the whole cache (a fixed shape)."""
+        if graphs is None:
+            state, lp = self.context(feats, tokens, ctx_start)
+        else:
+            state, lp = graphs.context(feats, tokens, ctx_start)
+        k = self.depth_rows(budget, chain)
         dev = lp.device
         score, rank = _topk(lp, k)  # [k]: depth 1
         cand_score, cand_id, cand_parent = [score], [rank], [torch.full((k,), -1, device=dev)]
@@ -122,12 +145,16 @@ class Eagle3Pass(nn.Module):
                 break
             rows = start + (d - 2) * k + torch.arange(k, device=dev)  # this depth's scratch rows
             ancestors = torch.cat([beam_rows, rows[:, None]], 1)  # [k, d-1]
-            visible = torch.zeros(k, int(rows[-1]) + 1, dtype=torch.bool, device=dev)
+            width = int(rows[-1]) + 1 if graphs is None else self.cache_rows
+            visible = torch.zeros(k, width, dtype=torch.bool, device=dev)
             visible[:, :start] = True
             visible.scatter_(1, ancestors, True)
             ids = self.head.target_ids(torch.cat(cand_id)[beam])
             position = torch.full((k,), start + d - 2, device=dev)
-            h, lp = self.rows(ids, beam_state, position, rows, visible)
+            if graphs is None:
+                h, lp = self.rows(ids, beam_state, position, rows, visible)
+            else:
+                h, lp = graphs.depth(ids, beam_state, position, rows, visible)
             passes += 1
             child_score, child_rank = _topk(lp, k)  # [k, k]
             cum = (beam_score[:, None] + child_score).reshape(-1)  # [k*k], beam-major

@@ -34,6 +34,7 @@ from glance_rt.round.passcheck import checked_plans
 from glance_rt.round.tree import max_depth
 
 GRAPHS = ("prefill", "verify", "draft", "context")
+EAGLE3_GRAPHS = ("eagle3_context", "eagle3_depth")  # an EAGLE-3 head's fixed-shape passes (compile only)
 
 
 class EagerPasses:
@@ -114,6 +115,15 @@ class StaticGraphs(nn.Module):
     def context(self, ctx: Tensor, ctx_start: Tensor) -> Tensor:
         self.draft_pass.context(ctx, ctx_start)
         return self._zero + 0  # exporters want an output
+
+    def eagle3_context(self, feats: Tensor, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """EAGLE-3's context pass over C rows (`Eagle3Pass.static_context`) -> state [H], log-probs [Vd]."""
+        return self.draft_pass.static_context(feats, tokens, positions)
+
+    def eagle3_depth(self, ids: Tensor, states: Tensor, positions: Tensor, rows: Tensor,
+                     visible: Tensor) -> tuple[Tensor, Tensor]:
+        """One EAGLE-3 depth pass of k rows, visible [k, cache rows] -> states [k, H], log-probs [k, Vd]."""
+        return self.draft_pass.rows(ids, states, positions, rows, visible)
 
     def round(self, ctx: Tensor, ctx_start: Tensor, bonus: Tensor, block_start: Tensor, rope_delta: Tensor,
               lookup_chain: Tensor, lookup_len: Tensor, chain: bool = False) -> tuple[Tensor, Tensor]:
@@ -234,6 +244,28 @@ class StaticPasses:
     def draft(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int) -> Tensor:
         return self.fns["draft"](*self._draft_args(ctx_feats, ctx_start, bonus, block_start))
 
+    def draft_tree(self, ctx_feats: Tensor, ctx_tokens: Tensor, ctx_start: int, bonus: int, block_start: int,
+                   budget: int, chain: bool):
+        """EAGLE-3's tree (`Eagle3Pass.draft_tree`) over the fixed-shape context and depth graphs."""
+        return self.graphs.draft_pass.draft_tree(ctx_feats, ctx_tokens, ctx_start, bonus, block_start, budget, chain,
+                                                 self)
+
+    def context(self, feats: Tensor, tokens: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        """EAGLE-3's context rows [start, start + m) in chunks of C rows through the fixed-shape graph
+        -> the last row's state [H] and log-probs [Vd]."""
+        c, m = self.shapes.chunk, feats.shape[0]
+        out = None
+        for s in range(0, m, c):
+            n = min(c, m - s)
+            pos = start + s + torch.arange(n, device=self.device)
+            out = self.fns["eagle3_context"](self._pad_rows(feats[s : s + n], c, 0),
+                                             self._pad_rows(tokens[s : s + n], c, 0), self._pad_rows(pos, c, 0))
+        return out
+
+    def depth(self, ids: Tensor, states: Tensor, positions: Tensor, rows: Tensor, visible: Tensor):
+        """One EAGLE-3 depth pass through the fixed-shape graph (one per row count k)."""
+        return self.fns["eagle3_depth"](ids, states.contiguous(), positions, rows, visible)
+
     def _draft_args(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int) -> tuple:
         """Write all but the last 1..R pending context rows (a round's whole path) through the context
         graph, in chunks of C rows (the prompt's context); -> the draft graph's inputs for the rest."""
@@ -279,6 +311,8 @@ def compiled_fns(graphs: StaticGraphs) -> dict:
     eager model to fall back on, run it as chunks."""
     mode = "reduce-overhead" if graphs.verifier.embed_tokens.weight.is_cuda else None
     names = (*GRAPHS[1:], "round") if graphs.draft_pass is not None else GRAPHS[1:2]
+    if isinstance(graphs.draft_pass, Eagle3Pass):  # EAGLE-3: its context and depth passes (the tree on the host)
+        names = ("verify", *EAGLE3_GRAPHS)
     return {n: torch.compile(getattr(graphs, n), fullgraph=True, dynamic=False, mode=mode) for n in names}
 
 
@@ -314,7 +348,19 @@ def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
         mask = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
         parent = torch.arange(-1, t - 1, device=dev)
         out[f"verify-{t}"] = (torch.zeros(t, dtype=torch.long, device=dev), pos(t), zero(), mask, parent)
-    if graphs.draft_pass is not None:
+    if isinstance(graphs.draft_pass, Eagle3Pass):
+        p = graphs.draft_pass
+        feats = len(graphs.verifier.feature_layers) * hidden
+        out["eagle3_context"] = (torch.zeros(c, feats, dtype=dtype, device=dev),
+                                 torch.zeros(c, dtype=torch.long, device=dev), torch.arange(c, device=dev))
+        for k in sorted({p.depth_rows(budget, chain) for budget in budgets if budget}):
+            visible = torch.zeros(k, p.cache_rows, dtype=torch.bool, device=dev)
+            visible[:, 0] = True
+            out[f"eagle3_depth-{k}"] = (torch.zeros(k, dtype=torch.long, device=dev),
+                                        torch.zeros(k, p.head.config.hidden_size, dtype=dtype, device=dev),
+                                        torch.zeros(k, dtype=torch.long, device=dev), torch.arange(k, device=dev),
+                                        visible)
+    elif graphs.draft_pass is not None:
         feats = len(graphs.verifier.feature_layers) * hidden
         ctx = torch.zeros(r, feats, dtype=dtype, device=dev)
         out["draft"] = (ctx, zero(), zero(), torch.tensor(r, device=dev))
@@ -329,9 +375,9 @@ def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
 # ----------------------------------------------------------------------------- building the passes
 
 
-EAGLE3_EAGER = ("an EAGLE-3 head runs eagerly only (backend='eager', its linear layers on the kernels chosen for "
-                "this CPU): the compile backend, ONNX export and engines carry GLANCE drafters; graphs of the "
-                "head's context and per-depth passes are not built yet (docs/usage.md, EAGLE-3 heads)")
+EAGLE3_EAGER = ("an EAGLE-3 head runs on the eager and compile backends: ONNX export and engines carry GLANCE "
+                "drafters; their graphs of the head's context and per-depth passes are not built yet (docs/usage.md, "
+                "EAGLE-3 heads)")
 
 
 def check_graphable(drafter) -> None:
@@ -405,9 +451,7 @@ def static_passes(make_fns: Callable, chunk: int, exact_prefill: bool = False) -
         raise GlanceError(f"chunk must be at least 1, got {chunk}")
 
     def build(verifier: TargetDecoder, draft) -> StaticPasses:
-        if isinstance(draft, Eagle3Pass):
-            raise GlanceError(EAGLE3_EAGER)
-        if draft is not None and not isinstance(draft, DraftPass):
+        if draft is not None and not isinstance(draft, (DraftPass, Eagle3Pass)):
             raise GlanceError("compiled and engine backends run a GlanceDrafter (glance_rt.load_drafter); "
                               "use backend='eager' for other drafter objects")
         graphs = StaticGraphs(verifier, draft)
