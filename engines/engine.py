@@ -208,6 +208,7 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
     it can run) needs the one-row verify graph that `--tree-budget 0` builds. Lookup rounds verify
     `lookup_budget` rows where the engine has that bucket (None: the rows it was built for, which
     `build-engine` adds by default, or the default's; else the tree's budget)."""
+    check_graphable(drafter)
     path = Path(path)
     m = read_manifest(path)
     if (warning := check_machine(path, m)) is not None:

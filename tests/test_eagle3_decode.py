@@ -232,6 +232,8 @@ def test_export_and_engines_refuse_an_eagle3_head_with_the_reason(tmp_path):
         export_model(target, drafter, tmp_path / "x", progress=False)
     with pytest.raises(glance_rt.GlanceError, match="EAGLE-3 head runs on the eager and compile backends"):
         build_engine(target, drafter, tmp_path / "y", progress=False)
+    with pytest.raises(glance_rt.GlanceError, match="EAGLE-3 head runs on the eager and compile backends"):
+        glance_rt.Decoder.from_engine(tmp_path / "z", target, drafter)
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
