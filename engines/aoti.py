@@ -14,7 +14,9 @@ and picks the faster; the manifest says "mixed" where the graphs differ):
   one copy (and run its plain layout: MKL's GEMM on a CPU).
 Either way the KV caches are the running model's buffers, handed to every package at load, so
 prefill, verify (one package per tree-budget bucket), draft and context write the same caches in
-place. The manifest pins the weights the packages were built from.
+place. An EAGLE-3 head's engine holds its context pass (C rows) and a depth pass per beam width
+(`eagle3_depth-{k}`); its tree grows on the host between them, as with backend="compile".
+The manifest pins the weights the packages were built from.
 """
 
 import json
@@ -25,7 +27,7 @@ import torch
 from torch import nn
 
 from glance_rt.errors import GlanceError
-from glance_rt.round.verify import MIN_PREFILL_ROWS, example_inputs, static_shapes, verify_by_rows
+from glance_rt.round.verify import MIN_PREFILL_ROWS, by_rows, example_inputs, static_shapes
 
 BACKEND = "aoti"
 
@@ -101,12 +103,15 @@ def runners(path: Path, manifest: dict, graphs) -> dict:
         runner.load_constants({k: consts[k] for k in want if k in consts}, check_full_update=not frozen,
                               user_managed=True)
         loaded[name] = runner
-    verify = {int(n.split("-")[1]): r for n, r in loaded.items() if n.startswith("verify-")}
+    def buckets(kind: str) -> dict:  # rows -> package, of the graphs built per row count
+        return {int(n.split("-")[1]): r for n, r in loaded.items() if n.startswith(f"{kind}-")}
 
-    fns = {"verify": verify_by_rows(verify), "prefill": loaded["prefill"]}
-    for name in ("draft", "context"):
+    fns = {"verify": by_rows(buckets("verify")), "prefill": loaded["prefill"]}
+    for name in ("draft", "context", "eagle3_context"):
         if name in loaded:
             fns[name] = loaded[name]
+    if "eagle3_context" in loaded:  # an EAGLE-3 head: a depth package per beam width (k rows)
+        fns["eagle3_depth"] = by_rows(buckets("eagle3_depth"), "EAGLE-3 depth")
     return fns
 
 

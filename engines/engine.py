@@ -13,6 +13,7 @@ from glance_rt.errors import GlanceError, GlanceWarning, require
 from glance_rt.export.manifest import (
     FORMAT,
     check_manifest,
+    eagle3_shape,
     graph_budgets,
     lookup_buckets,
     read_manifest,
@@ -21,10 +22,11 @@ from glance_rt.export.manifest import (
     write_manifest,
 )
 from glance_rt.hf.target import load_target
-from glance_rt.models.drafter import load_drafter
+from glance_rt.models.eagle3 import Eagle3Drafter, open_drafter
 from glance_rt.models.kernels import PREFILL_ROWS, KernelTuner, cpu_model, machine
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
+from glance_rt.round.eagle3 import Eagle3Pass
 from glance_rt.round.tree import default_lookup_budget, max_depth, with_lookup_bucket
 from glance_rt.round.verify import Backend, check_graphable, static_graphs, static_passes, verify_rows
 
@@ -68,9 +70,9 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     (onnxruntime and tensorrt, VLM targets): (W, H) image buckets to build vision graphs for.
     `lookup_budget` > 0 adds the verify graph of lookup rounds of that many rows (the CLI adds the
     default's, `default_lookup_budget`); `budgets` stay the tree budgets a load picks among."""
-    check_graphable(drafter)
     if backend not in FLAVORS:
         raise GlanceError(f"unknown engine backend {backend!r}: choose one of {', '.join(ENGINE_BACKENDS)}")
+    check_graphable(drafter, backend)
     if flavor is not None and flavor not in FLAVORS[backend]:
         owner = next((b for b, fl in FLAVORS.items() if flavor in fl and b != backend), None)
         raise GlanceError(f"flavor {flavor!r} with backend {backend!r}: "
@@ -92,7 +94,7 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
         raise GlanceError(f"{out} already holds an engine: pick another --out, or delete it to rebuild")
     graphs = static_graphs(target, drafter, max_len)  # the plain weights: they are what gets traced
     manifest = {"format": FORMAT, **config, "block_size": drafter.block_size if drafter is not None else 1,
-                "source": source(target, drafter), "versions": versions(),
+                "source": source(target, drafter), "versions": versions(), "eagle3": eagle3_shape(drafter),
                 "target_source": None if target_source is None else str(target_source),
                 "drafter_source": None if drafter_source is None else str(drafter_source), "kernels": kernels}
     started = out / "build.json"
@@ -138,7 +140,15 @@ def graph_linears(target, drafter, budgets, chain: bool, chunk: int) -> dict[str
     for budget in budgets:
         rows = verify_rows(budget, chain, block)
         out[f"verify-{rows}"] = calls(text, rows) + Counter({(*head.shape, rows, head.dtype): 1})
-    if drafter is not None:
+    if isinstance(drafter, Eagle3Drafter):  # context: the head at `chunk` rows, its logits at one; a depth
+        head = drafter.head                     # pass: the head but fc at k rows
+        vocab = head.lm_head.weight
+        out["eagle3_context"] = (calls(head, chunk, lambda n: n != "lm_head")
+                                 + Counter({(*vocab.shape, 1, vocab.dtype): 1}))
+        pass_ = Eagle3Pass(drafter, target.parts.text_model.embed_tokens, 1)
+        for k in sorted({pass_.depth_rows(b, chain) for b in budgets if b}):
+            out[f"eagle3_depth-{k}"] = calls(head, k, lambda n: n != "fc")
+    elif drafter is not None:
         def is_context(name):
             return name == "fc" or name.endswith(("k_proj", "v_proj"))
 
@@ -187,7 +197,7 @@ def _load_sources(m: dict, target, drafter):
     if target is None:
         target = load_target(m["target_source"], dtype=m["source"]["dtype"], device=m["source"]["device"])
     if drafter is None and m["source"]["drafter_weights"] is not None:
-        drafter = load_drafter(m["drafter_source"], target)
+        drafter = open_drafter(m["drafter_source"], target, m.get("eagle3"))
     return target, drafter
 
 
@@ -208,9 +218,9 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
     it can run) needs the one-row verify graph that `--tree-budget 0` builds. Lookup rounds verify
     `lookup_budget` rows where the engine has that bucket (None: the rows it was built for, which
     `build-engine` adds by default, or the default's; else the tree's budget)."""
-    check_graphable(drafter)
     path = Path(path)
     m = read_manifest(path)
+    check_graphable(drafter, m["backend"])
     if (warning := check_machine(path, m)) is not None:
         warnings.warn(warning, GlanceWarning, stacklevel=3)
     target, drafter = _load_sources(m, target, drafter)
@@ -227,7 +237,7 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
             raise GlanceError(f"engine {path} has no one-row verify graph (tree budgets {budgets}), which the draft "
                               "gate runs: rebuild with `--tree-budget 0` added, or pass gate=False")
         gate = False
-    if drafter is not None and not m["chain"] and lookup != 0:
+    if drafter is not None and not m["chain"] and lookup != 0 and not isinstance(drafter, Eagle3Drafter):
         rows = lookup_budget if lookup_budget is not None else (
             m.get("lookup_budget") or default_lookup_budget(drafter.block_size))
         if rows in with_lookup_bucket(asked, rows) and rows not in budgets:  # a bucket of its own, not built

@@ -14,6 +14,7 @@ import torch
 
 from glance_rt import __version__
 from glance_rt.errors import GlanceError
+from glance_rt.models.eagle3 import Eagle3Drafter
 from glance_rt.round.tree import check_budget, check_lookup_budget, with_lookup_bucket
 
 FORMAT = "glance-rt/engine/3"  # 2: draft context and accepted paths of max_depth + 1 rows (deep lookup chains);
@@ -42,7 +43,8 @@ def versions() -> dict:
 
 def source(target, drafter) -> dict:
     """Fingerprint of what an engine computes with: the target's weights (vision tower included, for
-    an engine's vision graphs) and the drafter's."""
+    an engine's vision graphs) and the drafter's (an EAGLE-3 drafter's: its head's)."""
+    drafter = drafter.head if isinstance(drafter, Eagle3Drafter) else drafter
     return {
         "target": target.name,
         "target_weights": weights_hash(target.hf_model),
@@ -50,6 +52,14 @@ def source(target, drafter) -> dict:
         "dtype": str(target.dtype).removeprefix("torch."),
         "device": target.device.type,
     }
+
+
+def eagle3_shape(drafter) -> dict | None:
+    """How an EAGLE-3 drafter drafts, which its graphs' shapes fix (the head's scratch rows and depth
+    passes of `top_k` rows); None for other drafters."""
+    if not isinstance(drafter, Eagle3Drafter):
+        return None
+    return {"depth": drafter.depth, "top_k": drafter.top_k}
 
 
 def write_manifest(out: Path, manifest: dict) -> None:
@@ -100,6 +110,9 @@ def check_manifest(m: dict, target, drafter, path) -> None:
                 problems.append(f"{labels[k]} differ ({here} here, {there} in the engine)")
             else:
                 problems.append(f"{k} is {have[k]} here, engine built for {want}")
+    if (m.get("eagle3") or None) != eagle3_shape(drafter) and drafter is not None:
+        problems.append(f"the EAGLE-3 drafter drafts {eagle3_shape(drafter)} here, the engine's graphs were built "
+                        f"for {m.get('eagle3')} (load it with load_eagle3(..., depth=, top_k=) as built)")
     if problems:
         raise GlanceError(f"engine {path} was built for something else: " + "; ".join(problems)
                           + ". Rebuild it with `glance-rt build-engine` for this target and drafter.")

@@ -159,7 +159,7 @@ def exported_runners(manifest: dict, graphs, make) -> dict:
     """The callables StaticPasses runs for an engine of exported graphs: `make(info, name, bufs)` ->
     one graph's runner (`bufs`: the cache buffers it reads, in its input order); verify graphs, one
     per tree-budget bucket, picked by their row count."""
-    from glance_rt.round.verify import verify_by_rows
+    from glance_rt.round.verify import by_rows
 
     fns, verify = {}, {}
     for key, info in manifest["graphs"].items():
@@ -169,7 +169,7 @@ def exported_runners(manifest: dict, graphs, make) -> dict:
             verify[int(key.split("-")[1])] = run
         else:
             fns[name] = run
-    fns["verify"] = verify_by_rows(verify)
+    fns["verify"] = by_rows(verify)
     return fns
 
 
@@ -245,7 +245,7 @@ def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20
     """`glance-rt export`: ONNX graphs of `target` (+ `drafter`) and their manifest, in `out`;
     `image_sizes`: (W, H) image buckets to export a VLM's vision graphs for; `lookup_budget` > 0:
     the verify graph of lookup rounds of that many rows too (`lookup_buckets`)."""
-    check_graphable(drafter)
+    check_graphable(drafter, "onnx")
     tree_budgets = graph_budgets(drafter, budgets, max_len, chunk)
     budgets = lookup_buckets(drafter, chain, tree_budgets, lookup_budget)
     out = Path(out)

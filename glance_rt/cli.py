@@ -136,11 +136,13 @@ LOOKUP_BUCKET = click.option(
 
 def _lookup_bucket(lookup_budget, drafter, chain) -> int:
     """The lookup rounds' verify rows to build (`--lookup-budget`; unset: the decoder's default)."""
+    from glance_rt.models.eagle3 import Eagle3Drafter
     from glance_rt.round.tree import default_lookup_budget
 
     if lookup_budget is not None:
         return lookup_budget
-    return default_lookup_budget(drafter.block_size) if drafter is not None and not chain else 0
+    drafts_lookup = drafter is not None and not chain and not isinstance(drafter, Eagle3Drafter)  # (EAGLE-3: none)
+    return default_lookup_budget(drafter.block_size) if drafts_lookup else 0
 
 
 def _load(target_path, drafter_path, dtype, device):
@@ -150,10 +152,9 @@ def _load(target_path, drafter_path, dtype, device):
 
     target = load_target(target_path, dtype=dtype, device=device)
     if drafter_path is not None:
-        from glance_rt.models.eagle3 import is_eagle3, load_eagle3
+        from glance_rt.models.eagle3 import open_drafter
 
-        load = load_eagle3 if is_eagle3(drafter_path) else load_drafter  # an EAGLE-3 head's folder, or GLANCE's
-        return target, load(drafter_path, target)
+        return target, open_drafter(drafter_path, target)  # an EAGLE-3 head's folder, or GLANCE's
     if target_path is None:
         try:
             return target, load_drafter(None, target)
@@ -546,7 +547,7 @@ def _engine_decoder(method: Method, target_path, drafter_path):
     """Decoder.from_engine, with --target/--drafter overriding the sources its manifest names."""
     from glance_rt.export.manifest import read_manifest
     from glance_rt.hf.target import load_target
-    from glance_rt.models.drafter import load_drafter
+    from glance_rt.models.eagle3 import open_drafter
     from glance_rt.round.loop import Decoder
 
     m = read_manifest(method.engine)
@@ -555,7 +556,7 @@ def _engine_decoder(method: Method, target_path, drafter_path):
         target = load_target(target_path or m["target_source"], dtype=m["source"]["dtype"],
                              device=m["source"]["device"])
     if drafter_path is not None:
-        drafter = load_drafter(drafter_path, target)
+        drafter = open_drafter(drafter_path, target, m.get("eagle3"))  # drafting as the engine was built
     return Decoder.from_method(method, target, drafter)
 
 

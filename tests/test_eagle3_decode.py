@@ -3,6 +3,8 @@ glance-rt verifies it. Every output is the target's (HF greedy; seed-exact sampl
 engine's AR sampling) on all nine architectures; each tree node's score is the head's log-probability
 of its path, recomputed from scratch; the context rows the loop hands the head are the committed ones."""
 
+import json
+
 import pytest
 import torch
 
@@ -222,19 +224,73 @@ def test_eagle3_head_runs_the_kernels_chosen_for_it_and_stays_exact(arch, plan, 
     assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(model, inputs, NEW)
 
 
-def test_export_and_engines_refuse_an_eagle3_head_with_the_reason(tmp_path):
-    from engines.engine import build_engine
-    from export.onnx import export_model
+def test_onnx_export_and_its_engines_refuse_an_eagle3_head_with_the_reason(tmp_path):
+    from glance_rt.engines.engine import build_engine
+    from glance_rt.export.onnx import export_model
 
     target, _, _ = case("llama")
     drafter = eagle3(target)
-    with pytest.raises(glance_rt.GlanceError, match="EAGLE-3 head runs on the eager and compile backends"):
+    why = "EAGLE-3 head runs on the eager and compile backends and in aoti engines"
+    with pytest.raises(glance_rt.GlanceError, match=why):
         export_model(target, drafter, tmp_path / "x", progress=False)
-    with pytest.raises(glance_rt.GlanceError, match="EAGLE-3 head runs on the eager and compile backends"):
-        build_engine(target, drafter, tmp_path / "y", progress=False)
-    with pytest.raises(glance_rt.GlanceError, match="EAGLE-3 head runs on the eager and compile backends"):
-        glance_rt.Decoder.from_engine(tmp_path / "z", target, drafter)
+    for backend in ("onnxruntime", "tensorrt"):
+        with pytest.raises(glance_rt.GlanceError, match=why):
+            build_engine(target, drafter, tmp_path / "y", backend=backend, progress=False)
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+@pytest.mark.full
+def test_aoti_engine_of_an_eagle3_head_is_lossless(tmp_path):
+    """An aoti engine carries the head: its context package (C rows) and a depth package per beam width,
+    the tree grown on the host between them. Its tokens are HF greedy's; a head drafting another top_k,
+    or other weights, is refused with what differs."""
+    from glance_rt.engines.engine import build_engine
+
+    target, model, tok = tiny_target("llama")
+    drafter = eagle3(target, depth=3, top_k=3)
+    out = tmp_path / "e"
+    build_engine(target, drafter, out, budgets=(0, 6), max_len=192, chunk=8, progress=False, flavor="shared")
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["eagle3"] == {"depth": 3, "top_k": 3} and m["lookup_budget"] is None
+    assert set(m["graphs"]) == {"prefill", "verify-1", "verify-7", "eagle3_context", "eagle3_depth-3"}
+    dec = glance_rt.Decoder.from_engine(out, target, drafter)
+    assert dec.backend.name == "aoti" and dec.method_name == "eagle3-6@aoti"
+    for prompt in ("Hello", "A longer prompt, longer than the engine's chunk of eight rows."):
+        inputs = make_inputs("llama", tok, prompt=prompt)
+        out_ = dec.generate(max_new_tokens=NEW, **inputs)
+        assert out_.token_ids == hf_greedy(model, inputs, NEW), prompt
+    assert out_.stats.draft_passes >= drafter.depth
+    with pytest.raises(glance_rt.GlanceError, match="'top_k': 2} here"):
+        glance_rt.Decoder.from_engine(out, target, eagle3(target, depth=3, top_k=2))
+    with pytest.raises(glance_rt.GlanceError, match="drafter weights differ"):
+        glance_rt.Decoder.from_engine(out, target, eagle3(target, depth=3, top_k=3, seed=5))
+
+
+@pytest.mark.full
+def test_cli_builds_and_runs_an_eagle3_engine(tmp_path_factory, tmp_path):
+    """`build-engine --drafter` an EAGLE-3 folder: no lookup bucket (its rounds run none); `generate
+    --engine` loads the head from the manifest's source, drafting as built, and prints HF's text."""
+    from click.testing import CliRunner
+
+    from glance_rt.cli import main
+    from glance_rt.models.eagle3 import save_eagle3
+    from tests.test_cli import model_folder
+
+    path = model_folder("qwen3", str(tmp_path_factory.mktemp("models")))
+    target = glance_rt.load_target(path)
+    save_eagle3(eagle3(target).head, tmp_path / "head")
+    out = tmp_path / "engine"
+    result = CliRunner().invoke(main, ["build-engine", "--target", path, "--drafter", str(tmp_path / "head"),
+                                       "--tree-budget", "4", "--max-length", "128", "--chunk", "16", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["budgets"] == [4] and m["lookup_budget"] is None and m["eagle3"] == {"depth": 6, "top_k": 8}
+    inputs = target.encode_chat("Hello there.")
+    want = target.decode(hf_greedy(target.hf_model, inputs, 12))
+    result = CliRunner().invoke(main, ["generate", "--engine", str(out), "--prompt", "Hello there.",
+                                       "--max-new-tokens", "12", "--stats"])
+    assert result.exit_code == 0, result.output
+    assert want.strip() in result.stdout and "draft passes" in result.stderr
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])

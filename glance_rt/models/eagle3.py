@@ -404,3 +404,13 @@ def load_eagle3(path, target, depth: int = DEFAULT_DEPTH, top_k: int = DEFAULT_T
     head = read_eagle3(path, target.text_config.num_hidden_layers, dtype=target.dtype, device=target.device)
     check_target(head.config, target)
     return Eagle3Drafter(head, depth, top_k)
+
+
+def open_drafter(path, target, eagle3: dict | None = None):
+    """A drafter folder for `target`: an EAGLE-3 head (`is_eagle3`: drafting `eagle3`'s depth and top_k,
+    else the defaults) or a GLANCE / DFlash drafter (`load_drafter`; None: the one shipped for the target)."""
+    from glance_rt.models.drafter import load_drafter
+
+    if path is not None and is_eagle3(path):
+        return load_eagle3(path, target, **(eagle3 or {}))
+    return load_drafter(path, target)

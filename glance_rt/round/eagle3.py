@@ -69,11 +69,11 @@ class Eagle3Pass(nn.Module):
         return {rows: [head] for rows, head in zip(self.row_classes, self.heads, strict=True)}
 
     def rows(self, tokens: Tensor, states: Tensor, positions: Tensor, cache_rows: Tensor, visible: Tensor,
-             fuse: bool = False):
+             fuse: bool = False, last: bool = False):
         """One draft pass over T rows: tokens [T] (target ids), states [T, H] (`fuse`: the target's
         features [T, F], fused first), RoPE positions [T]; their K and V go to `cache_rows` [T]; row i
         attends the cache rows where visible[i] [T, L] (its own included). -> (next states [T, H], draft
-        log-probs [T, Vd] fp32)."""
+        log-probs [T, Vd] fp32; `last`: the last row's alone, [1, Vd]: a context pass reads no other)."""
         head = self.head_for(tokens.shape[0])
         states = head.fuse(states) if fuse else states
         cos, sin = rope_tables(self.inv_freq, positions, states.dtype, self.rope_scaling)
@@ -85,7 +85,8 @@ class Eagle3Pass(nn.Module):
             values = self.v[:, :, :length].repeat_interleave(self.groups, 1)
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[None, None])
 
-        h, logits = head(self.embed_tokens(tokens)[None], states[None], cos, sin, attend)
+        h = head.step(self.embed_tokens(tokens)[None], states[None], cos, sin, attend)  # [1, T, H]
+        logits = head.lm_head(head.norm(h[:, -1:] if last else h))
         return h[0], torch.log_softmax(logits[0].float(), -1)
 
     def context(self, feats: Tensor, tokens: Tensor, start: int) -> tuple[Tensor, Tensor]:
@@ -94,7 +95,7 @@ class Eagle3Pass(nn.Module):
         m, dev = feats.shape[0], feats.device
         index = start + torch.arange(m, device=dev)
         visible = torch.arange(start + m, device=dev)[None, :] <= index[:, None]  # [m, start + m] causal
-        h, lp = self.rows(tokens, feats, index, index, visible, fuse=True)
+        h, lp = self.rows(tokens, feats, index, index, visible, fuse=True, last=True)
         return h[-1], lp[-1]
 
     def depth_rows(self, budget: int, chain: bool) -> int:
@@ -111,7 +112,7 @@ class Eagle3Pass(nn.Module):
         K and V to the same row again); each row sees the cache rows up to its own, over the whole cache.
         -> the last row's next state [H] and log-probs [Vd]."""
         visible = torch.arange(self.cache_rows, device=feats.device)[None, :] <= positions[:, None]  # [C, L]
-        h, lp = self.rows(tokens, feats, positions, positions, visible, fuse=True)
+        h, lp = self.rows(tokens, feats, positions, positions, visible, fuse=True, last=True)
         return h[-1], lp[-1]
 
     @torch.inference_mode()

@@ -375,15 +375,17 @@ def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
 # ----------------------------------------------------------------------------- building the passes
 
 
-EAGLE3_EAGER = ("an EAGLE-3 head runs on the eager and compile backends: ONNX export and engines carry GLANCE "
-                "drafters; their graphs of the head's context and per-depth passes are not built yet (docs/usage.md, "
-                "EAGLE-3 heads)")
+EAGLE3_BACKENDS = ("eager", "compile", "aoti")  # where an EAGLE-3 head's passes run
+EAGLE3_REFUSED = ("an EAGLE-3 head runs on the eager and compile backends and in aoti engines: ONNX export and the "
+                  "onnxruntime and tensorrt engines carry GLANCE drafters; their graphs of the head's context and "
+                  "per-depth passes are not built yet (docs/usage.md, EAGLE-3 heads). Build an aoti engine "
+                  "(`glance-rt build-engine --backend aoti`) or use backend='compile'")
 
 
-def check_graphable(drafter) -> None:
-    """Refuse a drafter that fixed-shape graphs (compile, export, engines) do not carry."""
-    if isinstance(drafter, Eagle3Drafter):
-        raise GlanceError(EAGLE3_EAGER)
+def check_graphable(drafter, backend: str) -> None:
+    """Refuse a drafter that the fixed-shape graphs of `backend` ("onnx" for an export) do not carry."""
+    if isinstance(drafter, Eagle3Drafter) and backend not in EAGLE3_BACKENDS:
+        raise GlanceError(EAGLE3_REFUSED)
 
 
 def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], kernels, fuse: bool | None = None):
@@ -424,9 +426,8 @@ def kernel_plans(kernels, verify_rows: tuple[int, ...], block: int) -> tuple:
 
 
 def static_graphs(target, drafter, max_len: int) -> StaticGraphs:
-    """The fixed-shape graphs of `target` (+ a GlanceDrafter) over the plain weights: what engine
-    builders trace."""
-    check_graphable(drafter)
+    """The fixed-shape graphs of `target` (+ a GlanceDrafter or an EAGLE-3 head) over the plain weights:
+    what engine builders trace (each checks first that its graphs carry the drafter: `check_graphable`)."""
     return StaticGraphs(*round_modules(target, drafter, max_len, (1,), None))
 
 
@@ -460,17 +461,18 @@ def static_passes(make_fns: Callable, chunk: int, exact_prefill: bool = False) -
     return build
 
 
-def verify_by_rows(verify: dict):
-    """One verify callable over per-bucket graphs (rows -> graph): picks the graph for tokens [T]."""
+def by_rows(graphs: dict, kind: str = "verify"):
+    """One callable over per-bucket graphs (rows -> graph): picks the graph for its first input's rows
+    (verify's tokens [T], an EAGLE-3 depth pass's ids [k])."""
 
-    def run_verify(tokens, *rest):
-        graph = verify.get(tokens.shape[0])
+    def run(tokens, *rest):
+        graph = graphs.get(tokens.shape[0])
         if graph is None:
-            raise GlanceError(f"this engine has verify graphs for {sorted(verify)} rows, not {tokens.shape[0]}: "
+            raise GlanceError(f"this engine has {kind} graphs for {sorted(graphs)} rows, not {tokens.shape[0]}: "
                               "use one of its tree budgets or rebuild with --tree-budget")
         return graph(tokens, *rest)
 
-    return run_verify
+    return run
 
 
 BACKENDS = ("eager", "compile")

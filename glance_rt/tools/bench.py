@@ -224,9 +224,10 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
         engines[Path(folder).name] = {"flavor": manifest.get("flavor"), "graphs": graph_flavors, "built_on": built_on,
                                       "same_cpu": built_on == cpu_model() if built_on else None,
                                       "chosen_by": (manifest.get("kernels") or {}).get("chosen_by")}
-        dec = Decoder.from_engine(folder, target, None if autoregressive else drafter, lookup=0)
+        own = eagle3 if manifest.get("eagle3") else drafter  # an EAGLE-3 head's engine: --eagle3 (or its source)
+        dec = Decoder.from_engine(folder, target, None if autoregressive else own, lookup=0)
         runners[engine_method(dec, folder)] = DecoderRunner(dec, cfg)
-        if cfg.engine_lookup and not autoregressive and not dec.chain:
+        if cfg.engine_lookup and not autoregressive and not dec.chain and not manifest.get("eagle3"):
             dec = Decoder.from_engine(folder, target, drafter, lookup=DEFAULT_LOOKUP)
             runners[engine_method(dec, folder)] = DecoderRunner(dec, cfg)
     calibration: dict[str, dict[int, list]] = {}  # backend -> budget -> rounds
@@ -408,6 +409,8 @@ def _glance_vs_eagle3(records: list[Record]) -> dict:
     for e in sorted(m for m in methods if m.startswith("eagle3-")):
         base, at, backend = e.partition("@")
         glance = f"tree-{base.removeprefix('eagle3-')}" + (f"@{backend}" if at else "")
+        if ":" in backend:  # an engine (`@aoti:FOLDER`): GLANCE's engine of the same backend, its own folder
+            glance = next((m for m in sorted(methods) if m.startswith(glance.partition(":")[0] + ":")), glance)
         if glance not in methods:
             continue
         entry = {}
