@@ -275,6 +275,7 @@ def test_cli_builds_and_runs_an_eagle3_engine(tmp_path_factory, tmp_path):
     from glance_rt.cli import main
     from glance_rt.models.eagle3 import save_eagle3
     from tests.test_cli import model_folder
+    from tests.test_engines import assert_cli_generates_hf_text
 
     path = model_folder("qwen3", str(tmp_path_factory.mktemp("models")))
     target = glance_rt.load_target(path)
@@ -285,12 +286,7 @@ def test_cli_builds_and_runs_an_eagle3_engine(tmp_path_factory, tmp_path):
     assert result.exit_code == 0, result.output
     m = json.loads((out / "manifest.json").read_text())
     assert m["budgets"] == [4] and m["lookup_budget"] is None and m["eagle3"] == {"depth": 6, "top_k": 8}
-    inputs = target.encode_chat("Hello there.")
-    want = target.decode(hf_greedy(target.hf_model, inputs, 12))
-    result = CliRunner().invoke(main, ["generate", "--engine", str(out), "--prompt", "Hello there.",
-                                       "--max-new-tokens", "12", "--stats"])
-    assert result.exit_code == 0, result.output
-    assert want.strip() in result.stdout and "draft passes" in result.stderr
+    assert_cli_generates_hf_text(target, out)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])

@@ -14,7 +14,7 @@ from glance_rt.tools.training.data import choose_draft_vocab
 from glance_rt.tools.training.eagle3 import draft_columns, ttt_forward, ttt_loss
 from tests.conftest import hf_greedy, tiny_target
 from tests.test_eagle3_decode import case, eagle3
-from tests.test_train import small_cfg, weights
+from tests.test_train import small_cfg, train_killed_at, weights
 from tests.tiny_models import make_inputs
 
 
@@ -49,19 +49,7 @@ def test_eagle3_head_trains_resumes_reproduces_and_drafts_losslessly(tmp_path, m
     wa, wb = weights(out / "drafter"), weights(tmp_path / "b" / "drafter")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
-    import glance_rt.tools.training.loop as tm
-
-    real_lr = tm.lr_at
-
-    def crash(step, c):
-        if step == 4:
-            raise KeyboardInterrupt("killed")
-        return real_lr(step, c)
-
-    monkeypatch.setattr(tm, "lr_at", crash)
-    with pytest.raises(KeyboardInterrupt):
-        train(target, replace(cfg, out=str(tmp_path / "c")))
-    monkeypatch.setattr(tm, "lr_at", real_lr)
+    train_killed_at(monkeypatch, target, replace(cfg, out=str(tmp_path / "c")), step=4)
     with pytest.raises(GlanceError, match="different run"):  # a GLANCE run cannot resume an EAGLE-3 one
         train(target, replace(cfg, out=str(tmp_path / "c"), head="glance", target_layer_ids=None, resume=True))
     train(target, replace(cfg, out=str(tmp_path / "c"), resume=True))

@@ -189,6 +189,16 @@ def test_interrupted_build_resumes(tmp_path):
         model, inputs, NEW)
 
 
+def assert_cli_generates_hf_text(target, engine) -> None:
+    """`generate --engine` prints HF greedy's text (and its draft passes with --stats)."""
+    inputs = target.encode_chat("Hello there.")
+    want = target.decode(hf_greedy(target.hf_model, inputs, 12))
+    result = CliRunner().invoke(main, ["generate", "--engine", str(engine), "--prompt", "Hello there.",
+                                       "--max-new-tokens", "12", "--stats"])
+    assert result.exit_code == 0, result.output
+    assert want.strip() in result.stdout and "draft passes" in result.stderr
+
+
 def test_cli_build_engine_then_generate(tmp_path_factory, tmp_path):
     path = model_folder("qwen3", str(tmp_path_factory.mktemp("models")))
     target = glance_rt.load_target(path)
@@ -201,12 +211,7 @@ def test_cli_build_engine_then_generate(tmp_path_factory, tmp_path):
     m = json.loads((out / "manifest.json").read_text())
     # 0: the draft gate's steps; 7 = max_depth(4): the lookup rounds' rows, which the CLI adds by default
     assert m["budgets"] == [0, 4, 7] and m["tree_budgets"] == [0, 4] and m["lookup_budget"] == 7
-    inputs = target.encode_chat("Hello there.")
-    want = target.decode(hf_greedy(target.hf_model, inputs, 12))
-    result = CliRunner().invoke(main, ["generate", "--engine", str(out), "--prompt", "Hello there.",
-                                       "--max-new-tokens", "12", "--stats"])
-    assert result.exit_code == 0, result.output
-    assert want.strip() in result.stdout and "draft passes" in result.stderr
+    assert_cli_generates_hf_text(target, out)
     result = CliRunner().invoke(main, ["generate", "--engine", str(out), "--prompt", "Hello there.",
                                        "--max-new-tokens", "12", "--compare"])
     assert result.exit_code == 0, result.output  # against eager autoregression

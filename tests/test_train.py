@@ -61,6 +61,23 @@ def weights(path):
     return load_file(os.path.join(path, "model.safetensors"))
 
 
+def train_killed_at(monkeypatch, target, cfg, step: int) -> None:
+    """`train(target, cfg)` killed (KeyboardInterrupt) as step `step` starts, as a kill would stop it."""
+    import glance_rt.tools.training.loop as tm
+
+    real_lr = tm.lr_at
+
+    def crash(s, c):
+        if s == step:
+            raise KeyboardInterrupt("killed")
+        return real_lr(s, c)
+
+    monkeypatch.setattr(tm, "lr_at", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train(target, cfg)
+    monkeypatch.setattr(tm, "lr_at", real_lr)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
 def test_training_pass_is_the_inference_pass(arch):
     """block_forward (many anchored blocks, block-sparse mask) == DraftPass (cache, one block)."""
@@ -118,21 +135,9 @@ def test_end_to_end_resume_and_reproducibility(tmp_path, monkeypatch):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
     # killed after the step-3 checkpoint, then resumed: the same drafter, no stage redone
-    import glance_rt.tools.training.loop as tm
-
-    real_lr = tm.lr_at
-
-    def crash(step, c):
-        if step == 4:
-            raise KeyboardInterrupt("killed")
-        return real_lr(step, c)
-
-    monkeypatch.setattr(tm, "lr_at", crash)
-    with pytest.raises(KeyboardInterrupt):
-        train(target, replace(cfg, out=str(tmp_path / "c")))
+    train_killed_at(monkeypatch, target, replace(cfg, out=str(tmp_path / "c")), step=4)
     assert (tmp_path / "c" / "checkpoints" / "step-000003" / "trainer.pt").exists()
     assert not (tmp_path / "c" / "drafter").exists()
-    monkeypatch.setattr(tm, "lr_at", real_lr)
     stamp = (tmp_path / "c" / "responses" / "part-00000.jsonl").stat().st_mtime_ns
     with pytest.raises(GlanceError, match="--resume"):
         train(target, replace(cfg, out=str(tmp_path / "c")))
