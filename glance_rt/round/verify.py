@@ -377,8 +377,9 @@ def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
 
 EAGLE3_BACKENDS = ("eager", "compile", "aoti")  # where an EAGLE-3 head's passes run
 EAGLE3_REFUSED = ("an EAGLE-3 head runs on the eager and compile backends and in aoti engines: ONNX export and the "
-                  "onnxruntime and tensorrt engines carry GLANCE drafters; their graphs of the head's context and "
-                  "per-depth passes are not built yet (docs/usage.md, EAGLE-3 heads). Build an aoti engine "
+                  "onnxruntime and tensorrt engines carry GLANCE drafters only (a depth pass attends rows that "
+                  "earlier depth passes wrote, which the glance.TreeAttention node, a prefix plus a mask over the "
+                  "rows a pass writes, does not express; docs/usage.md, EAGLE-3 heads). Build an aoti engine "
                   "(`glance-rt build-engine --backend aoti`) or use backend='compile'")
 
 
