@@ -100,6 +100,20 @@ def test_glance_beside_eagle3(tmp_path):
     assert "--eagle3" in rep["skipped"]["eagle3-4"]
 
 
+def test_each_eagle3_method_is_set_against_glance_at_the_same_budget_gate_and_backend():
+    from glance_rt.tools.bench import glance_partner
+
+    methods = {"tree-8", "tree-8+always", "tree-8+lookup@aoti:g", "tree-8@aoti:g", "tree-16@aoti:g",
+               "tree-8@onnxruntime:o"}
+    assert glance_partner("eagle3-8", methods) == "tree-8"
+    assert glance_partner("eagle3-8+always", methods) == "tree-8+always"
+    assert glance_partner("eagle3-8@compile", methods) is None  # no tree-8@compile in the run
+    assert glance_partner("eagle3-8@aoti:e", methods) == "tree-8@aoti:g"  # the GLANCE engine, its own folder
+    assert glance_partner("eagle3-16@aoti:e", methods) == "tree-16@aoti:g"
+    assert glance_partner("eagle3-8+always@aoti:e", methods) is None  # no GLANCE engine drafting every round
+    assert glance_partner("eagle3-8@onnxruntime:x", methods) == "tree-8@onnxruntime:o"
+
+
 def test_no_drafter_skips_drafted_methods():
     target, _, _ = tiny_target("llama")
     rep = run_bench(target, None, ROWS[:1], BenchConfig(methods=("ar", "chain", "hf"), max_new_tokens=6, warmup=0),

@@ -399,6 +399,18 @@ def _num(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}"
 
 
+def glance_partner(eagle3_method: str, methods) -> str | None:
+    """The GLANCE method among `methods` that `eagle3_method` is set against: the same budget, gate and
+    backend (`eagle3-8+always@compile` -> `tree-8+always@compile`); for an engine (`@aoti:FOLDER`), the
+    GLANCE engine of the same backend, whatever its folder. None where the run has none."""
+    base, at, backend = eagle3_method.partition("@")
+    glance = f"tree-{base.removeprefix('eagle3-')}" + (f"@{backend}" if at else "")
+    if ":" in backend:
+        engine = glance.partition(":")[0] + ":"
+        return next((m for m in sorted(methods) if m.startswith(engine)), None)
+    return glance if glance in methods else None
+
+
 def _glance_vs_eagle3(records: list[Record]) -> dict:
     """At each budget run both ways on the same backend (tree-N, the drafter alone, against eagle3-N):
     GLANCE's accepted length per drafted round over EAGLE-3's, draft passes and drafting milliseconds per
@@ -407,11 +419,8 @@ def _glance_vs_eagle3(records: list[Record]) -> dict:
     out = {}
     methods = {r.method for r in records}
     for e in sorted(m for m in methods if m.startswith("eagle3-")):
-        base, at, backend = e.partition("@")
-        glance = f"tree-{base.removeprefix('eagle3-')}" + (f"@{backend}" if at else "")
-        if ":" in backend:  # an engine (`@aoti:FOLDER`): GLANCE's engine of the same backend, its own folder
-            glance = next((m for m in sorted(methods) if m.startswith(glance.partition(":")[0] + ":")), glance)
-        if glance not in methods:
+        glance = glance_partner(e, methods)
+        if glance is None:
             continue
         entry = {}
         for kind in [None, *dict.fromkeys(r.kind for r in records)]:
