@@ -26,7 +26,6 @@ from glance_rt.models.eagle3 import Eagle3Drafter, open_drafter
 from glance_rt.models.kernels import PREFILL_ROWS, KernelTuner, cpu_model, machine
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
-from glance_rt.round.eagle3 import Eagle3Pass
 from glance_rt.round.tree import default_lookup_budget, max_depth, with_lookup_bucket
 from glance_rt.round.verify import Backend, check_graphable, static_graphs, static_passes, verify_rows
 
@@ -145,8 +144,7 @@ def graph_linears(target, drafter, budgets, chain: bool, chunk: int) -> dict[str
         vocab = head.lm_head.weight
         out["eagle3_context"] = (calls(head, chunk, lambda n: n != "lm_head")
                                  + Counter({(*vocab.shape, 1, vocab.dtype): 1}))
-        pass_ = Eagle3Pass(drafter, target.parts.text_model.embed_tokens, 1)
-        for k in sorted({pass_.depth_rows(b, chain) for b in budgets if b}):
+        for k in sorted({drafter.depth_rows(b, chain) for b in budgets if b}):
             out[f"eagle3_depth-{k}"] = calls(head, k, lambda n: n != "fc")
     elif drafter is not None:
         def is_context(name):

@@ -110,7 +110,7 @@ def check_manifest(m: dict, target, drafter, path) -> None:
                 problems.append(f"{labels[k]} differ ({here} here, {there} in the engine)")
             else:
                 problems.append(f"{k} is {have[k]} here, engine built for {want}")
-    if (m.get("eagle3") or None) != eagle3_shape(drafter) and drafter is not None:
+    if drafter is not None and m.get("eagle3") != eagle3_shape(drafter):
         problems.append(f"the EAGLE-3 drafter drafts {eagle3_shape(drafter)} here, the engine's graphs were built "
                         f"for {m.get('eagle3')} (load it with load_eagle3(..., depth=, top_k=) as built)")
     if problems:

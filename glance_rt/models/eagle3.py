@@ -342,6 +342,10 @@ class Eagle3Drafter:
             raise GlanceError(f"an EAGLE-3 drafter drafts 1-31 tokens deep with top_k 1-64, got depth={self.depth}, "
                               f"top_k={self.top_k}")
 
+    def depth_rows(self, budget: int, chain: bool) -> int:
+        """Rows of each depth pass: the beam, `top_k` nodes (1 for a chain; at most the budget)."""
+        return 1 if chain else min(self.top_k, budget, self.head.config.draft_vocab_size)
+
     @property
     def block_size(self) -> int:  # the round loop's scratch and chain rules read a block: depth + 1 rows
         return self.depth + 1

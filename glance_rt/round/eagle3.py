@@ -40,7 +40,7 @@ class Eagle3Pass(nn.Module):
         super().__init__()
         head = drafter.head
         c = head.config
-        self.head, self.depth, self.top_k = head, drafter.depth, drafter.top_k
+        self.drafter, self.head, self.depth = drafter, head, drafter.depth
         self.row_classes = plan.row_classes() if plan is not None else (drafter.top_k,)
         self.heads = nn.ModuleList(head if plan is None else planned(head, plan, rows) for rows in self.row_classes)
         self.embed_tokens = head.embed_tokens if c.own_embeddings else embed_tokens
@@ -99,8 +99,7 @@ class Eagle3Pass(nn.Module):
         return h[-1], lp[-1]
 
     def depth_rows(self, budget: int, chain: bool) -> int:
-        """Rows of each depth pass: the beam, `top_k` nodes (1 for a chain; at most the budget)."""
-        return 1 if chain else min(self.top_k, budget, self.head.config.draft_vocab_size)
+        return self.drafter.depth_rows(budget, chain)
 
     @property
     def cache_rows(self) -> int:
