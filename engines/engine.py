@@ -26,8 +26,8 @@ from glance_rt.models.eagle3 import Eagle3Drafter, open_drafter
 from glance_rt.models.kernels import PREFILL_ROWS, KernelTuner, cpu_model, machine
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
-from glance_rt.round.tree import default_lookup_budget, max_depth, with_lookup_bucket
-from glance_rt.round.verify import Backend, check_graphable, static_graphs, static_passes, verify_rows
+from glance_rt.round.tree import default_lookup_budget, grafts_lookup, max_depth, with_lookup_bucket
+from glance_rt.round.verify import Backend, static_graphs, static_passes, verify_rows
 
 ENGINE_BACKENDS = ("aoti", "onnxruntime", "tensorrt")
 # the first flavor is the default
@@ -71,7 +71,6 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     default's, `default_lookup_budget`); `budgets` stay the tree budgets a load picks among."""
     if backend not in FLAVORS:
         raise GlanceError(f"unknown engine backend {backend!r}: choose one of {', '.join(ENGINE_BACKENDS)}")
-    check_graphable(drafter, backend)
     if flavor is not None and flavor not in FLAVORS[backend]:
         owner = next((b for b, fl in FLAVORS.items() if flavor in fl and b != backend), None)
         raise GlanceError(f"flavor {flavor!r} with backend {backend!r}: "
@@ -218,7 +217,6 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
     `build-engine` adds by default, or the default's; else the tree's budget)."""
     path = Path(path)
     m = read_manifest(path)
-    check_graphable(drafter, m["backend"])
     if (warning := check_machine(path, m)) is not None:
         warnings.warn(warning, GlanceWarning, stacklevel=3)
     target, drafter = _load_sources(m, target, drafter)
@@ -235,7 +233,7 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
             raise GlanceError(f"engine {path} has no one-row verify graph (tree budgets {budgets}), which the draft "
                               "gate runs: rebuild with `--tree-budget 0` added, or pass gate=False")
         gate = False
-    if drafter is not None and not m["chain"] and lookup != 0 and not isinstance(drafter, Eagle3Drafter):
+    if grafts_lookup(drafter, m["chain"]) and lookup != 0:
         rows = lookup_budget if lookup_budget is not None else (
             m.get("lookup_budget") or default_lookup_budget(drafter.block_size))
         if rows in with_lookup_bucket(asked, rows) and rows not in budgets:  # a bucket of its own, not built

@@ -1,7 +1,10 @@
 """ONNX export of the static graphs (`glance_rt.round.verify.StaticGraphs`), tree attention as ONE node.
 
-Every attention is a single `glance.TreeAttention` node (domain `glance`, version 1, attribute
-`scale`; inputs q [1, H, T, D], k, v [1, KVH, L, D], tree_mask [T, T] bool, prefix_len [] int64).
+Every attention of the target and a GLANCE drafter is a single `glance.TreeAttention` node (domain
+`glance`, version 1, attribute `scale`; inputs q [1, H, T, D], k, v [1, KVH, L, D], tree_mask [T, T]
+bool, prefix_len [] int64). An EAGLE-3 head's context and depth graphs attend its own cache through a
+[T, L] boolean mask in standard ops, as the head does in every backend (a depth pass sees rows that
+earlier depth passes wrote, which the node's [T, T] mask over the rows a pass writes cannot say).
 Flavors:
 - `portable`: the model also carries `glance.TreeAttention` as a model-local ONNX function whose
   body is standard ops (ONNX Runtime or any runtime inlines it);
@@ -22,6 +25,7 @@ from glance_rt.errors import GlanceError, require
 from glance_rt.export.manifest import (
     FORMAT,
     describe_graphs,
+    eagle3_shape,
     graph_budgets,
     lookup_buckets,
     source,
@@ -29,7 +33,7 @@ from glance_rt.export.manifest import (
     write_manifest,
 )
 from glance_rt.export.vision import export_vision
-from glance_rt.round.verify import check_graphable, example_inputs, static_graphs, static_shapes
+from glance_rt.round.verify import example_inputs, static_graphs, static_shapes
 
 FLAVORS = ("portable", "plugin")
 DOMAIN, VERSION = "glance", 1
@@ -100,8 +104,9 @@ def _translation():
 
 
 def graph_caches(graphs, name: str) -> list:
-    """The KVCache modules a graph reads and writes."""
-    return [graphs.draft_pass.cache] if name in ("draft", "context") else [graphs.verifier.cache]
+    """The KVCache modules a graph reads and writes (an EAGLE-3 head's passes: the head's own)."""
+    drafting = name in ("draft", "context") or name.startswith("eagle3_")
+    return [graphs.draft_pass.cache] if drafting else [graphs.verifier.cache]
 
 
 class _Graph(nn.Module):
@@ -123,6 +128,10 @@ class _Graph(nn.Module):
         if self.name == "draft":
             b, last = self.graphs.draft_pass.block_size, self.graphs.max_len - 1
             return (args[1] + torch.arange(self.graphs.ctx_rows + b, device=dev)).clamp(max=last)
+        if self.name == "eagle3_context":  # its rows' positions (a short chunk repeats its last row)
+            return args[2]
+        if self.name == "eagle3_depth":  # the scratch rows its k rows write
+            return args[3]
         return args[1] + torch.arange(args[0].shape[0], device=dev)  # context
 
     def forward(self, *inputs):
@@ -144,9 +153,11 @@ def _names(graphs, name: str, args) -> tuple[list[str], list[str]]:
     ins = {"prefill": ["embeds", "positions", "start", "last"],
            "verify": ["tokens", "positions", "start", "tree_mask", "parent"],
            "draft": ["ctx", "ctx_start", "bonus", "block_start"],
-           "context": ["ctx", "ctx_start"]}[name]
+           "context": ["ctx", "ctx_start"], "eagle3_context": ["features", "tokens", "positions"],
+           "eagle3_depth": ["tokens", "states", "positions", "rows", "visible"]}[name]
     outs = {"prefill": ["logits", "features"], "verify": ["logits", "features", "greedy", "path"],
-            "draft": ["draft_logits"], "context": ["done"]}[name]
+            "draft": ["draft_logits"], "context": ["done"], "eagle3_context": ["state", "log_probs"],
+            "eagle3_depth": ["states_out", "log_probs"]}[name]
     kv_in, kv_out = [], []
     for cache in graph_caches(graphs, name):
         for layer in range(cache.layers):
@@ -157,19 +168,22 @@ def _names(graphs, name: str, args) -> tuple[list[str], list[str]]:
 
 def exported_runners(manifest: dict, graphs, make) -> dict:
     """The callables StaticPasses runs for an engine of exported graphs: `make(info, name, bufs)` ->
-    one graph's runner (`bufs`: the cache buffers it reads, in its input order); verify graphs, one
-    per tree-budget bucket, picked by their row count."""
+    one graph's runner (`bufs`: the cache buffers it reads, in its input order); the graphs built per
+    row count (verify: one per tree-budget bucket; an EAGLE-3 head's depth passes: one per beam
+    width) picked by their row count."""
     from glance_rt.round.verify import by_rows
 
-    fns, verify = {}, {}
+    fns, buckets = {}, {"verify": {}, "eagle3_depth": {}}
     for key, info in manifest["graphs"].items():
         name = key.split("-")[0]
         run = make(info, name, [b for cache in graph_caches(graphs, name) for b in cache.buffers()])
-        if name == "verify":
-            verify[int(key.split("-")[1])] = run
+        if name in buckets:
+            buckets[name][int(key.split("-")[1])] = run
         else:
             fns[name] = run
-    fns["verify"] = by_rows(verify)
+    fns["verify"] = by_rows(buckets["verify"])
+    if buckets["eagle3_depth"]:
+        fns["eagle3_depth"] = by_rows(buckets["eagle3_depth"], "EAGLE-3 depth")
     return fns
 
 
@@ -245,7 +259,6 @@ def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20
     """`glance-rt export`: ONNX graphs of `target` (+ `drafter`) and their manifest, in `out`;
     `image_sizes`: (W, H) image buckets to export a VLM's vision graphs for; `lookup_budget` > 0:
     the verify graph of lookup rounds of that many rows too (`lookup_buckets`)."""
-    check_graphable(drafter, "onnx")
     tree_budgets = graph_budgets(drafter, budgets, max_len, chunk)
     budgets = lookup_buckets(drafter, chain, tree_budgets, lookup_budget)
     out = Path(out)
@@ -262,6 +275,7 @@ def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20
     import onnx
 
     manifest = {"format": FORMAT, "backend": "onnx", "flavor": flavor, "opset": opset, "budgets": list(budgets),
+                "eagle3": eagle3_shape(drafter),
                 "tree_budgets": list(tree_budgets), "lookup_budget": lookup_budget or None, "chain": chain,
                 "max_len": max_len, "chunk": chunk,
                 "block_size": drafter.block_size if drafter is not None else 1,

@@ -136,13 +136,11 @@ LOOKUP_BUCKET = click.option(
 
 def _lookup_bucket(lookup_budget, drafter, chain) -> int:
     """The lookup rounds' verify rows to build (`--lookup-budget`; unset: the decoder's default)."""
-    from glance_rt.models.eagle3 import Eagle3Drafter
-    from glance_rt.round.tree import default_lookup_budget
+    from glance_rt.round.tree import default_lookup_budget, grafts_lookup
 
     if lookup_budget is not None:
         return lookup_budget
-    drafts_lookup = drafter is not None and not chain and not isinstance(drafter, Eagle3Drafter)  # (EAGLE-3: none)
-    return default_lookup_budget(drafter.block_size) if drafts_lookup else 0
+    return default_lookup_budget(drafter.block_size) if grafts_lookup(drafter, chain) else 0
 
 
 def _load(target_path, drafter_path, dtype, device):

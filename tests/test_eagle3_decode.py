@@ -224,19 +224,53 @@ def test_eagle3_head_runs_the_kernels_chosen_for_it_and_stays_exact(arch, plan, 
     assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(model, inputs, NEW)
 
 
-def test_onnx_export_and_its_engines_refuse_an_eagle3_head_with_the_reason(tmp_path):
+@pytest.mark.full
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_onnxruntime_engine_of_an_eagle3_head_is_lossless(arch, tmp_path):
+    """ONNX export carries the head: its context graph (C rows) and a depth graph per beam width, each
+    taking the head's cache as inputs and returning the rows it wrote (no glance.TreeAttention node: the
+    head attends its own cache through a [k, L] mask, as in every backend). Through ONNX Runtime its
+    tokens are HF greedy's, for trees and prompts longer than the chunk; another top_k is refused."""
     from glance_rt.engines.engine import build_engine
-    from glance_rt.export.onnx import export_model
 
-    target, _, _ = case("llama")
-    drafter = eagle3(target)
-    why = "EAGLE-3 head runs on the eager and compile backends and in aoti engines"
-    with pytest.raises(glance_rt.GlanceError, match=why):
-        export_model(target, drafter, tmp_path / "x", progress=False)
-    for backend in ("onnxruntime", "tensorrt"):
-        with pytest.raises(glance_rt.GlanceError, match=why):
-            build_engine(target, drafter, tmp_path / "y", backend=backend, progress=False)
-    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    target, model, processor = tiny_target(arch)
+    drafter = eagle3(target, depth=3, top_k=3)
+    out = tmp_path / "e"
+    build_engine(target, drafter, out, backend="onnxruntime", budgets=(0, 6), max_len=192, chunk=8, progress=False)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["eagle3"] == {"depth": 3, "top_k": 3} and m["lookup_budget"] is None
+    assert set(m["graphs"]) == {"prefill", "verify-1", "verify-7", "eagle3_context", "eagle3_depth-3"}
+    assert m["graphs"]["eagle3_depth-3"]["tree_attention_nodes"] == 0
+    assert m["graphs"]["verify-7"]["tree_attention_nodes"] == target.parts.text_model.config.num_hidden_layers
+    dec = glance_rt.Decoder.from_engine(out, target, drafter)
+    assert dec.backend.name == "onnxruntime" and dec.method_name == "eagle3-6@onnxruntime"
+    vlm = arch in VLM_ARCHS
+    for prompt, n_images in (("Hello", 0), ("A longer prompt, longer than the engine's chunk of eight rows.", vlm)):
+        inputs = make_inputs(arch, processor, prompt=prompt, n_images=int(n_images))
+        res = dec.generate(max_new_tokens=NEW, **inputs)
+        assert res.token_ids == hf_greedy(model, inputs, NEW), prompt
+    assert res.stats.draft_passes >= drafter.depth
+    # an untrained head accepts little, so compare the graphs themselves: each writes the head's cache rows
+    # and returns the states and log-probs that the torch graph it was exported from gives
+    passes, cache = dec.passes, dec.passes.graphs.draft_pass.cache
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(8, 3 * target.parts.text_model.config.hidden_size, generator=g)
+    tokens = torch.randint(0, 90, (8,), generator=g)
+    states = torch.randn(3, drafter.head.config.hidden_size, generator=g)
+    visible = torch.zeros(3, cache.max_len, dtype=torch.bool)
+    visible[:, :16] = True
+    visible[torch.arange(3), 24 + torch.arange(3)] = True
+    calls = [("eagle3_context", (feats, tokens, 10 + torch.arange(8))),
+             ("eagle3_depth", (tokens[:3], states, torch.full((3,), 18), 24 + torch.arange(3), visible))]
+    for name, args in calls:
+        got = [t.clone() for t in passes.fns[name](*args)] + [b.clone() for b in cache.buffers()]
+        with torch.no_grad():
+            want = [*getattr(passes.graphs, name)(*args), *cache.buffers()]
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    assert cache.k0[0, :, 10:18].abs().sum() > 0 and cache.k0[0, :, 24:27].abs().sum() > 0
+    with pytest.raises(glance_rt.GlanceError, match="'top_k': 2} here"):
+        glance_rt.Decoder.from_engine(out, target, eagle3(target, depth=3, top_k=2))
 
 
 @pytest.mark.full
@@ -267,7 +301,8 @@ def test_aoti_engine_of_an_eagle3_head_is_lossless(tmp_path):
 
 
 @pytest.mark.full
-def test_cli_builds_and_runs_an_eagle3_engine(tmp_path_factory, tmp_path):
+@pytest.mark.parametrize("backend", ["aoti", "onnxruntime"])
+def test_cli_builds_and_runs_an_eagle3_engine(backend, tmp_path_factory, tmp_path):
     """`build-engine --drafter` an EAGLE-3 folder: no lookup bucket (its rounds run none); `generate
     --engine` loads the head from the manifest's source, drafting as built, and prints HF's text."""
     from click.testing import CliRunner
@@ -282,7 +317,8 @@ def test_cli_builds_and_runs_an_eagle3_engine(tmp_path_factory, tmp_path):
     save_eagle3(eagle3(target).head, tmp_path / "head")
     out = tmp_path / "engine"
     result = CliRunner().invoke(main, ["build-engine", "--target", path, "--drafter", str(tmp_path / "head"),
-                                       "--tree-budget", "4", "--max-length", "128", "--chunk", "16", "--out", str(out)])
+                                       "--tree-budget", "4", "--max-length", "128", "--chunk", "16", "--out", str(out),
+                                       "--backend", backend])
     assert result.exit_code == 0, result.output
     m = json.loads((out / "manifest.json").read_text())
     assert m["budgets"] == [4] and m["lookup_budget"] is None and m["eagle3"] == {"depth": 6, "top_k": 8}

@@ -29,7 +29,8 @@ class KVCache(nn.Module):
         return getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
 
     def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
-        """Write k, v [1, KVH, T, D] at cache rows `rows` [T] (distinct), in place."""
+        """Write k, v [1, KVH, T, D] at cache rows `rows` [T] in place (distinct, or a row repeated with the
+        same k, v: a padded chunk)."""
         kc, vc = self.buffers_of(layer)
         kc.index_copy_(2, rows, k)
         vc.index_copy_(2, rows, v)

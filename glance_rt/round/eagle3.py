@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from glance_rt.models.drafter import rope, rope_tables
 from glance_rt.models.eagle3 import Eagle3Drafter, Eagle3Head
 from glance_rt.models.kernels import KernelPlan, class_index
+from glance_rt.models.kv_cache import KVCache
 from glance_rt.round.draft import planned
 from glance_rt.round.tree import Tree, _pack
 
@@ -46,8 +47,7 @@ class Eagle3Pass(nn.Module):
         self.embed_tokens = head.embed_tokens if c.own_embeddings else embed_tokens
         rows = max_len + drafter.depth * drafter.top_k  # committed rows, then one depth's rows per depth
         w = head.norm.weight
-        self.register_buffer("k", w.new_zeros(1, c.num_key_value_heads, rows, c.head_dim), persistent=False)
-        self.register_buffer("v", w.new_zeros(1, c.num_key_value_heads, rows, c.head_dim), persistent=False)
+        self.cache = KVCache(1, c.num_key_value_heads, rows, c.head_dim, w.dtype, w.device)  # its one layer
         inv_freq, self.rope_scaling = rope(c)
         self.register_buffer("inv_freq", inv_freq.to(w.device), persistent=False)
         self.groups = c.num_attention_heads // c.num_key_value_heads
@@ -80,9 +80,8 @@ class Eagle3Pass(nn.Module):
         length = visible.shape[1]
 
         def attend(q, k, v):  # q [1, nh, T, D]; k, v [1, nkv, T, D]
-            self.k[:, :, cache_rows], self.v[:, :, cache_rows] = k, v
-            keys = self.k[:, :, :length].repeat_interleave(self.groups, 1)
-            values = self.v[:, :, :length].repeat_interleave(self.groups, 1)
+            self.cache.write(0, cache_rows, k, v)
+            keys, values = (kv.repeat_interleave(self.groups, 1) for kv in self.cache.read(0, length))  # [1, nh, L, D]
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[None, None])
 
         h = head.step(self.embed_tokens(tokens)[None], states[None], cos, sin, attend)  # [1, T, H]
@@ -103,7 +102,7 @@ class Eagle3Pass(nn.Module):
 
     @property
     def cache_rows(self) -> int:
-        return self.k.shape[2]
+        return self.cache.max_len
 
     def static_context(self, feats: Tensor, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """`context` at a fixed row count C (a compiled graph's): features [C, F], next tokens [C] and

@@ -30,6 +30,7 @@ from glance_rt.round.tree import (
     check_lookup_budget,
     default_lookup_budget,
     fills_budget,
+    grafts_lookup,
     lookup_match,
     lookup_tree,
     max_depth,
@@ -175,10 +176,9 @@ class Decoder:
         if backend is None:
             backend = default_backend(target.device)
         self.backend = backend if isinstance(backend, Backend) else named_backend(backend, chunk)
-        eagle3 = isinstance(drafter, Eagle3Drafter)
         if lookup is None:
-            lookup = DEFAULT_LOOKUP if drafter is not None and not chain and not eagle3 else 0
-        if lookup < 0 or (lookup and (chain or drafter is None or eagle3)):
+            lookup = DEFAULT_LOOKUP if grafts_lookup(drafter, chain) else 0
+        if lookup < 0 or (lookup and not grafts_lookup(drafter, chain)):
             raise GlanceError(f"lookup={lookup}: prompt lookup takes an n-gram size >= 1 and grafts onto a "
                               "GLANCE drafter's tree (not a chain, autoregression or an EAGLE-3 head's own tree); "
                               "use lookup=0 there")

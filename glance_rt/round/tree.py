@@ -23,6 +23,7 @@ from torch import Tensor
 from glance_rt.errors import GlanceError
 from glance_rt.method import DEFAULT_LOOKUP_BUDGET
 from glance_rt.models.drafter import MAX_BLOCK_SIZE
+from glance_rt.models.eagle3 import Eagle3Drafter
 
 MAX_TREE_BUDGET = 1024
 
@@ -84,6 +85,12 @@ def lookup_rows(block_size: int, budget: int, ngram: int) -> int:
     else:
         rows = budget - budget // 4
     return min(max_depth(block_size), rows)
+
+
+def grafts_lookup(drafter, chain: bool) -> bool:
+    """Whether prompt lookup can graft onto this decoder's rounds: a drafter's trees, not a chain,
+    autoregression (no drafter) or an EAGLE-3 head's own tree."""
+    return drafter is not None and not chain and not isinstance(drafter, Eagle3Drafter)
 
 
 def default_lookup_budget(block_size: int) -> int:

@@ -34,7 +34,7 @@ from glance_rt.round.passcheck import checked_plans
 from glance_rt.round.tree import max_depth
 
 GRAPHS = ("prefill", "verify", "draft", "context")
-EAGLE3_GRAPHS = ("eagle3_context", "eagle3_depth")  # an EAGLE-3 head's fixed-shape passes (compile only)
+EAGLE3_GRAPHS = ("eagle3_context", "eagle3_depth")  # an EAGLE-3 head's fixed-shape passes
 
 
 class EagerPasses:
@@ -375,20 +375,6 @@ def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
 # ----------------------------------------------------------------------------- building the passes
 
 
-EAGLE3_BACKENDS = ("eager", "compile", "aoti")  # where an EAGLE-3 head's passes run
-EAGLE3_REFUSED = ("an EAGLE-3 head runs on the eager and compile backends and in aoti engines: ONNX export and the "
-                  "onnxruntime and tensorrt engines carry GLANCE drafters only (a depth pass attends rows that "
-                  "earlier depth passes wrote, which the glance.TreeAttention node, a prefix plus a mask over the "
-                  "rows a pass writes, does not express; docs/usage.md, EAGLE-3 heads). Build an aoti engine "
-                  "(`glance-rt build-engine --backend aoti`) or use backend='compile'")
-
-
-def check_graphable(drafter, backend: str) -> None:
-    """Refuse a drafter that the fixed-shape graphs of `backend` ("onnx" for an export) do not carry."""
-    if isinstance(drafter, Eagle3Drafter) and backend not in EAGLE3_BACKENDS:
-        raise GlanceError(EAGLE3_REFUSED)
-
-
 def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], kernels, fuse: bool | None = None):
     """The modules a round runs, over `target`'s weights: (TargetDecoder with a `max_len`-row cache,
     the draft pass or None). A `GlanceDrafter` becomes a `DraftPass` (shared embeddings and lm_head);
@@ -428,7 +414,7 @@ def kernel_plans(kernels, verify_rows: tuple[int, ...], block: int) -> tuple:
 
 def static_graphs(target, drafter, max_len: int) -> StaticGraphs:
     """The fixed-shape graphs of `target` (+ a GlanceDrafter or an EAGLE-3 head) over the plain weights:
-    what engine builders trace (each checks first that its graphs carry the drafter: `check_graphable`)."""
+    what engine builders trace."""
     return StaticGraphs(*round_modules(target, drafter, max_len, (1,), None))
 
 
