@@ -26,12 +26,13 @@ def method_options(command):
     `--methods`): they become one `glance_rt.method.Method` with the Python API's defaults."""
 
     @functools.wraps(command)
-    def wrapper(*args, tree_budget, chain, lookup, lookup_budget, backend, engine_dir, always_draft, **kw):
+    def wrapper(*args, tree_budget, chain, lookup, lookup_budget, backend, engine_dir, always_draft, exact, **kw):
         try:
             if tree_budget is None and engine_dir is None and not chain:  # a chain: the drafter's whole block
                 tree_budget = DEFAULT_TREE_BUDGET
             method = Method(kind="chain" if chain else "tree", tree_budget=tree_budget, lookup=lookup,
-                            backend=backend, engine=engine_dir, gate=not always_draft, lookup_budget=lookup_budget)
+                            backend=backend, engine=engine_dir, gate=not always_draft, lookup_budget=lookup_budget,
+                            numerics="exact" if exact else "fast")
         except GlanceError as e:
             raise click.ClickException(str(e)) from e
         return command(*args, method=method, **kw)
@@ -58,6 +59,9 @@ def method_options(command):
         click.option("--always-draft", is_flag=True,
                      help="Draft every round (no draft gate: by default a round takes one autoregressive step "
                           "where the entropy law and the round costs measured here predict drafting loses)."),
+        click.option("--exact", is_flag=True,
+                     help="Exact numerics: every verify row computed bit for bit as an autoregressive step, so "
+                          "the tokens equal this engine's own AR tokens in bf16/fp16 too (eager passes; slower)."),
     ]
     for option in reversed(options):
         wrapper = option(wrapper)
@@ -219,7 +223,8 @@ def _describe(dec) -> str:
     what = ("autoregression" if dec.drafter is None else f"a chain of {dec.tree_budget}" if dec.chain
             else f"trees of {dec.tree_budget}")
     lookup = f" + prompt lookup {dec.lookup}" if dec.lookup else ""
-    return f"{what}{lookup}, {dec.backend.name}"
+    numerics = ", exact numerics" if dec.numerics == "exact" else ""
+    return f"{what}{lookup}, {dec.backend.name}{numerics}"
 
 
 def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> None:
@@ -232,7 +237,8 @@ def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> 
     if dec.drafter is None:
         raise GlanceError("--compare compares GLANCE with autoregression: it needs a drafter")
     same_engine = dec.backend.name in BACKENDS  # an engine is loaded with its drafter
-    ar = Decoder(dec.target, None, max_length=dec.max_length, backend=dec.backend if same_engine else "eager")
+    ar = Decoder(dec.target, None, max_length=dec.max_length, backend=dec.backend if same_engine else "eager",
+                 numerics=dec.numerics)
     click.echo(f"[glance-rt] warming up {_describe(ar)} ...", err=True)
     ar.warmup()
     start = time.perf_counter()

@@ -47,7 +47,8 @@ class Method:
     rounds pass the draft gate (`glance_rt.round.gate`; False, `+always` in a name: draft every
     round). `lookup_budget`: rows a round whose lookup chain fills the tree verifies, the chain alone,
     no draft pass (None: `DEFAULT_LOOKUP_BUDGET` within the
-    drafter's `max_depth`; `+lookup-L` in a name)."""
+    drafter's `max_depth`; `+lookup-L` in a name). `numerics`: "fast" or "exact" (`+exact` in a name:
+    verify rows computed bit for bit as AR steps, `glance_rt.models.exact`; eager passes only)."""
 
     kind: str = "tree"
     tree_budget: int | None = DEFAULT_TREE_BUDGET
@@ -56,6 +57,7 @@ class Method:
     engine: str | None = None
     gate: bool = True
     lookup_budget: int | None = None
+    numerics: str = "fast"
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -66,11 +68,17 @@ class Method:
         if self.backend is not None and self.backend not in BACKENDS:
             raise GlanceError(f"unknown backend {self.backend!r}: choose one of {', '.join(BACKENDS)} "
                               "(built engines run with --engine DIR)")
+        if self.numerics not in ("fast", "exact"):
+            raise GlanceError(f"unknown numerics {self.numerics!r}: choose fast or exact")
+        if self.numerics == "exact" and (self.engine is not None or self.backend == "compile"):
+            raise GlanceError(f"{self.name}: exact numerics run eager passes (@eager or @plain), not compiled graphs "
+                              "or engines")
 
     @classmethod
     def parse(cls, text: str) -> "Method":
         """`ar`, `chain`, `tree-N`, `tree-N+lookup`, `tree-N+lookup-L` (lookup rounds of L rows),
-        `adaptive` or `eagle3-N`, each optionally `+always` (no draft gate) and `@compile` or `@plain`
+        `adaptive` or `eagle3-N`, each optionally `+always` (no draft gate), `+exact` (exact numerics)
+        and `@compile` or `@plain`
         (`tree-8+lookup@compile`; none: the device's default backend, `@eager` names eager). A bare
         `tree-N` drafts with the drafter alone."""
         base, at, backend = text.strip().partition("@")
@@ -78,23 +86,26 @@ class Method:
         if at and backend not in BACKENDS:
             raise GlanceError(f"unknown backend in method {text!r}: use @{', @'.join(BACKENDS)} or none (the "
                               "device's default)")
+        numerics = "exact" if base.endswith("+exact") else "fast"
+        base = base.removesuffix("+exact")
         always = base.endswith("+always") and base != "ar+always"
         base = base.removesuffix("+always") if always else base
         if base in ("ar", "chain", "adaptive"):
             return cls(kind=base, tree_budget=None if base == "chain" else DEFAULT_TREE_BUDGET, lookup=0,
-                       backend=backend, gate=not always)
+                       backend=backend, gate=not always, numerics=numerics)
         tree, plus, extra = base.partition("+")
         extra, dash, rows = extra.partition("-")
         lookup_budget = int(rows) if dash and extra == "lookup" and rows.isdigit() else None
         if tree.startswith("eagle3-") and tree[7:].isdigit() and not plus:
-            return cls(kind="eagle3", tree_budget=int(tree[7:]), lookup=0, backend=backend, gate=not always)
+            return cls(kind="eagle3", tree_budget=int(tree[7:]), lookup=0, backend=backend, gate=not always,
+                       numerics=numerics)
         if (tree.startswith("tree-") and tree[5:].isdigit() and (plus, extra) in (("", ""), ("+", "lookup"))
                 and (not dash or lookup_budget is not None)):
             return cls(tree_budget=int(tree[5:]), lookup=DEFAULT_LOOKUP if extra else 0, backend=backend,
-                       gate=not always, lookup_budget=lookup_budget)
+                       gate=not always, lookup_budget=lookup_budget, numerics=numerics)
         raise GlanceError(f"unknown method {text!r}: use ar, chain, tree-N, tree-N+lookup, tree-N+lookup-L, "
-                          "adaptive or eagle3-N, each optionally +always (draft every round) and @eager, @compile or "
-                          "@plain")
+                          "adaptive or eagle3-N, each optionally +always (draft every round), +exact (exact numerics) "
+                          "and @eager, @compile or @plain")
 
     @property
     def name(self) -> str:
@@ -105,6 +116,8 @@ class Method:
             base += "+lookup" if self.lookup_budget is None else f"+lookup-{self.lookup_budget}"
         if self.kind != "ar" and not self.gate:
             base += "+always"
+        if self.numerics == "exact":
+            base += "+exact"
         if self.engine is not None:
             return f"{base}@engine:{Path(self.engine).name}"
         return base if self.backend is None else f"{base}@{self.backend}"

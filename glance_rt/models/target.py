@@ -14,7 +14,9 @@ stack of its row count.
 import torch
 from torch import Tensor, nn
 
+from glance_rt.errors import GlanceError
 from glance_rt.models.attention import attend
+from glance_rt.models.exact import RowBlockLinear, row_attention
 from glance_rt.models.fused import FusedLinear, fusable
 from glance_rt.models.kernels import KernelPlan, class_index, with_plan
 from glance_rt.models.kv_cache import KVCache
@@ -30,15 +32,26 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
+def linear_for(plan: KernelPlan | None, module: nn.Module, rows: int, exact_rows: int) -> nn.Module:
+    """The module a linear layer runs as: `exact_rows` > 0, GEMMs of that many rows (exact numerics);
+    else the plan's kernel (`with_plan`)."""
+    return RowBlockLinear(module, exact_rows) if exact_rows else with_plan(plan, module, rows)
+
+
 class Attention(nn.Module):
+    """`exact_rows` > 0: exact numerics (`glance_rt.models.exact`), linear layers in GEMMs of that many
+    rows and attention row by row."""
+
     def __init__(self, hf_attn: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, plan: KernelPlan | None,
-                 rows: int, fuse: bool = False):
+                 rows: int, fuse: bool = False, exact_rows: int = 0):
         super().__init__()
         qkv = [hf_attn.q_proj, hf_attn.k_proj, hf_attn.v_proj]
-        self.qkv = FusedLinear(qkv) if fuse and plan is None and fusable(qkv) else None  # one GEMM
+        one_gemm = fuse and plan is None and not exact_rows and fusable(qkv)
+        self.qkv = FusedLinear(qkv) if one_gemm else None
         if self.qkv is None:
-            self.q_proj, self.k_proj, self.v_proj = (with_plan(plan, m, rows) for m in qkv)
-        self.o_proj = with_plan(plan, hf_attn.o_proj, rows)
+            self.q_proj, self.k_proj, self.v_proj = (linear_for(plan, m, rows, exact_rows) for m in qkv)
+        self.o_proj = linear_for(plan, hf_attn.o_proj, rows, exact_rows)
+        self.attend = row_attention if exact_rows else attend
         self.q_norm = getattr(hf_attn, "q_norm", None)  # Qwen3: RMSNorm over head_dim
         self.k_norm = getattr(hf_attn, "k_norm", None)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
@@ -56,7 +69,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(layer, rows, k, v)
         k_all, v_all = cache.read(layer, kv_len)  # [1, KVH, L, D]
-        out = attend(q, k_all, v_all, tree_mask, rows[0], self.scale)  # [1, H, T, D]
+        out = self.attend(q, k_all, v_all, tree_mask, rows[0], self.scale)  # [1, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(1, t, self.n_heads * self.head_dim))
 
 
@@ -64,13 +77,14 @@ class MLP(nn.Module):
     """The HF gated MLP, `down(act(gate(x)) * up(x))`, over its own projections: each run by the plan's
     kernel, or (`fuse`, plain weights) gate and up as one GEMM."""
 
-    def __init__(self, hf_mlp: nn.Module, plan: KernelPlan | None, rows: int, fuse: bool = False):
+    def __init__(self, hf_mlp: nn.Module, plan: KernelPlan | None, rows: int, fuse: bool = False,
+                 exact_rows: int = 0):
         super().__init__()
         gate_up = [hf_mlp.gate_proj, hf_mlp.up_proj]
-        self.gate_up = FusedLinear(gate_up) if fuse and plan is None and fusable(gate_up) else None
+        self.gate_up = FusedLinear(gate_up) if fuse and plan is None and not exact_rows and fusable(gate_up) else None
         if self.gate_up is None:
-            self.gate_proj, self.up_proj = (with_plan(plan, m, rows) for m in gate_up)
-        self.down_proj = with_plan(plan, hf_mlp.down_proj, rows)
+            self.gate_proj, self.up_proj = (linear_for(plan, m, rows, exact_rows) for m in gate_up)
+        self.down_proj = linear_for(plan, hf_mlp.down_proj, rows, exact_rows)
         self.act_fn = hf_mlp.act_fn
 
     def forward(self, x: Tensor) -> Tensor:
@@ -80,14 +94,18 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, hf_layer: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, plan: KernelPlan | None,
-                 rows: int, fuse: bool = False):
+                 rows: int, fuse: bool = False, exact_rows: int = 0):
         super().__init__()
         self.input_layernorm = hf_layer.input_layernorm
         self.post_attention_layernorm = hf_layer.post_attention_layernorm
-        self.self_attn = Attention(hf_layer.self_attn, n_heads, n_kv_heads, head_dim, plan, rows, fuse)
+        self.self_attn = Attention(hf_layer.self_attn, n_heads, n_kv_heads, head_dim, plan, rows, fuse, exact_rows)
         mlp = hf_layer.mlp
         gated = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-        self.mlp = MLP(mlp, plan, rows, fuse) if (plan is not None or fuse) and gated else mlp
+        if exact_rows and not gated:
+            raise GlanceError(f"numerics='exact' runs a gated MLP's projections in fixed row blocks; this model's MLP "
+                              f"({type(mlp).__name__}) is not one: use numerics='fast'")
+        ours = (plan is not None or fuse or exact_rows) and gated
+        self.mlp = MLP(mlp, plan, rows, fuse, exact_rows) if ours else mlp
 
     def forward(self, h, cos, sin, cache, layer, rows, kv_len, tree_mask):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, rows, kv_len, tree_mask)
@@ -106,11 +124,13 @@ class TargetDecoder(nn.Module):
     HF modules as they are): `stacks[i]` and `heads[i]` run row class `row_classes[i]`, chosen by a
     call's row count (the head's: the logit rows). `fuse` (with no plan): each layer's q, k, v and
     its gate, up projections run as one GEMM each (`glance_rt.models.fused`: the HF parameters become
-    views of one buffer per group, no second copy).
+    views of one buffer per group, no second copy). `exact_rows` > 0: exact numerics
+    (`glance_rt.models.exact`): every call but a prefill (`prefill=True`) runs `exact_stack` and
+    `exact_head`, whose rows each get the bits a one-row call gives them; prefill keeps the plan's.
     """
 
     def __init__(self, parts, max_len: int, feature_layers: tuple[int, ...] = (), plan: KernelPlan | None = None,
-                 fuse: bool = False):
+                 fuse: bool = False, exact_rows: int = 0):
         super().__init__()
         cfg = parts.text_config
         tm = parts.text_model
@@ -122,6 +142,11 @@ class TargetDecoder(nn.Module):
             nn.ModuleList(Block(layer, n_heads, n_kv, head_dim, plan, rows, fuse) for layer in tm.layers)
             for rows in self.row_classes)
         self.heads = nn.ModuleList(with_plan(plan, parts.lm_head, rows) for rows in self.row_classes)
+        self.exact_stack = self.exact_head = None
+        if exact_rows:
+            self.exact_stack = nn.ModuleList(Block(layer, n_heads, n_kv, head_dim, None, 1, False, exact_rows)
+                                             for layer in tm.layers)
+            self.exact_head = RowBlockLinear(parts.lm_head, exact_rows)
         self.norm = tm.norm
         self.rotary_emb = tm.rotary_emb
         self.feature_layers = tuple(feature_layers)
@@ -142,11 +167,13 @@ class TargetDecoder(nn.Module):
         tree_mask: Tensor,  # [T, T] bool
         kv_len: int,
         logit_rows: Tensor | None = None,  # [k] int64: rows to compute logits for (default all)
+        prefill: bool = False,  # the prompt's pass (exact numerics: the fast kernels, shared by every decode)
     ) -> tuple[Tensor, Tensor]:
         cos, sin = self.rotary_emb(embeds, positions)  # [1, T, D]
         rows = start + torch.arange(embeds.shape[1], device=embeds.device)  # [T]
         h, feats = embeds, {}
-        layers = self.stacks[class_index(embeds.shape[1], self.row_classes)]  # T is static: one stack per graph
+        exact = self.exact_stack is not None and not prefill
+        layers = self.exact_stack if exact else self.stacks[class_index(embeds.shape[1], self.row_classes)]  # (static)
         for i, layer in enumerate(layers):
             h = layer(h, cos, sin, self.cache, i, rows, kv_len, tree_mask)
             if i in self.feature_layers:
@@ -155,7 +182,8 @@ class TargetDecoder(nn.Module):
         if last in feats:  # as HF's hidden_states[-1]: the last layer's output comes after the final norm
             feats[last] = self.norm(h)
         h = self.norm(h if logit_rows is None else h.index_select(1, logit_rows))
-        logits = self.heads[class_index(h.shape[1], self.row_classes)](h)[0]  # [T', V]
+        head = self.exact_head if exact else self.heads[class_index(h.shape[1], self.row_classes)]
+        logits = head(h)[0]  # [T', V]
         if feats:
             features = torch.cat([feats[i] for i in self.feature_layers], -1)[0]  # [T, F]
         else:

@@ -16,6 +16,7 @@ from glance_rt.engines.engine import load_engine
 from glance_rt.errors import GlanceError
 from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_MAX_LENGTH, DEFAULT_TREE_BUDGET, Method, default_backend
 from glance_rt.models.eagle3 import Eagle3Drafter
+from glance_rt.models.exact import EXACT_ROWS, check_numerics
 from glance_rt.models.kernels import KernelTuner, kernel_summary
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
@@ -154,13 +155,20 @@ class Decoder:
     None (default): on for the compile backend on a CUDA device; True: also on a CPU (the tests);
     False: the host tree. Prompt lookup still matches on the host, and the gate's one-row steps, lookup
     rounds and sampled rounds run as before.
+
+    `numerics`: "fast" (default) or "exact": every decode pass (autoregressive steps and verify passes)
+    computes each row bit for bit as a one-row step does (`glance_rt.models.exact`: linear layers as
+    GEMMs of a fixed row count, attention row by row over each row's own visible cache rows), so the
+    tokens equal this engine's own autoregressive tokens in every dtype (bf16 and fp16 included), not
+    only up to near ties. Eager passes only (compiled and engine backends are refused).
     """
 
     def __init__(self, target, drafter=None, tree_budget: "int | AdaptiveBudget | None" = None, chain: bool = False,
                  max_length: int = DEFAULT_MAX_LENGTH, backend: "str | Backend | None" = None, chunk: int = 64,
                  lookup: int | None = None, prepack: "bool | str | KernelTuner" = "auto",
                  gate: "bool | GateConfig | None" = None, lookup_budget: int | None = None,
-                 device_round: bool | None = None):
+                 device_round: bool | None = None, numerics: str = "fast"):
+        self.numerics = check_numerics(numerics)
         self.policy = tree_budget if isinstance(tree_budget, AdaptiveBudget) else None
         if self.policy is not None:
             if chain:
@@ -173,9 +181,12 @@ class Decoder:
         check_budget(tree_budget)
         if max_length < 2:
             raise GlanceError(f"max_length must be at least 2, got {max_length}")
-        if backend is None:
-            backend = default_backend(target.device)
+        if backend is None:  # exact numerics run eager passes on every device
+            backend = "eager" if numerics == "exact" else default_backend(target.device)
         self.backend = backend if isinstance(backend, Backend) else named_backend(backend, chunk)
+        if numerics == "exact" and self.backend.name != "eager":
+            raise GlanceError(f"numerics='exact' runs eager passes (it reads each row's visible cache rows on the "
+                              f"host); backend {self.backend.name!r} asked: use backend='eager'")
         if lookup is None:
             lookup = DEFAULT_LOOKUP if grafts_lookup(drafter, chain) else 0
         if lookup < 0 or (lookup and not grafts_lookup(drafter, chain)):
@@ -199,7 +210,7 @@ class Decoder:
         self.pending_rows = max_depth(block) + 1  # drafter-context rows a skipped draft may leave pending
         verify_rows = tuple(b + 1 for b in self.budgets)
         self.verifier, self.drafter = round_modules(target, drafter, max_length, verify_rows, kernels,
-                                                    self.backend.fuse)
+                                                    self.backend.fuse, EXACT_ROWS if numerics == "exact" else 0)
         self.grows_tree = isinstance(self.drafter, Eagle3Pass)  # its own tree (EAGLE-3), else build_tree's
         vocab = getattr(self.drafter, "draft_vocab", None)  # draft-logit column -> token id, or None
         self.draft_vocab = None if vocab is None else vocab.cpu().numpy()
@@ -245,7 +256,7 @@ class Decoder:
         return cls(target, drafter, tree_budget=policy if method.kind == "adaptive" else method.tree_budget,
                    chain=method.kind == "chain", lookup=method.lookup, max_length=max_length or DEFAULT_MAX_LENGTH,
                    backend="eager" if plain else method.backend, prepack=False if plain else "auto",
-                   gate=None if method.gate else False, lookup_budget=method.lookup_budget)
+                   gate=None if method.gate else False, lookup_budget=method.lookup_budget, numerics=method.numerics)
 
     @staticmethod
     def _kernels(prepack, packable: bool):
@@ -284,6 +295,7 @@ class Decoder:
             default = self.lookup_budget == default_lookup_budget(self.block)
             base += "+lookup" if default else f"+lookup-{self.lookup_budget}"
         base += "+always" if self.drafter is not None and self.gate is None else ""
+        base += "+exact" if self.numerics == "exact" else ""
         backend = "plain" if self.backend.name == "eager" and self.plain else self.backend.name
         return base if backend == default_backend(self.target.device) else f"{base}@{backend}"
 

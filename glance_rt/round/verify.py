@@ -54,7 +54,7 @@ class EagerPasses:
         p, dev = embeds.shape[1], embeds.device
         causal = torch.ones(p, p, dtype=torch.bool, device=dev).tril()
         last = torch.tensor([p - 1], device=dev)
-        logits, feats = self.verifier(embeds, positions, torch.tensor(0, device=dev), causal, p, last)
+        logits, feats = self.verifier(embeds, positions, torch.tensor(0, device=dev), causal, p, last, prefill=True)
         return logits[0], feats
 
     def verify(self, tree, tokens: Tensor, positions: Tensor, start: int, mask: Tensor):
@@ -101,7 +101,7 @@ class StaticGraphs(nn.Module):
     def prefill(self, embeds: Tensor, positions: Tensor, start: Tensor, last: Tensor) -> tuple[Tensor, Tensor]:
         c = embeds.shape[1]
         causal = torch.ones(c, c, dtype=torch.bool, device=embeds.device).tril()
-        return self.verifier(embeds, positions, start, causal, self.max_len, last)
+        return self.verifier(embeds, positions, start, causal, self.max_len, last, prefill=True)
 
     def verify(self, tokens: Tensor, positions: Tensor, start: Tensor, mask: Tensor, parent: Tensor):
         logits, feats = self.verifier(self.verifier.embed_tokens(tokens)[None], positions, start, mask, self.max_len)
@@ -375,7 +375,8 @@ def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
 # ----------------------------------------------------------------------------- building the passes
 
 
-def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], kernels, fuse: bool | None = None):
+def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], kernels, fuse: bool | None = None,
+                  exact_rows: int = 0):
     """The modules a round runs, over `target`'s weights: (TargetDecoder with a `max_len`-row cache,
     the draft pass or None). A `GlanceDrafter` becomes a `DraftPass` (shared embeddings and lm_head);
     other drafter objects (the eager protocol) are used as they are. `kernels`: None (the plain
@@ -383,7 +384,8 @@ def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], k
     linear's kernel measured at the verify rows `verify_rows`, the draft block and prefill, then each
     pass checked whole against the plain one: `glance_rt.round.passcheck`). `fuse`: the plain
     weights' q, k, v and gate, up as one GEMM each (`TargetDecoder`); None: on a GPU, where a small
-    GEMM costs a launch (the CPU's kernels are chosen by timing instead)."""
+    GEMM costs a launch (the CPU's kernels are chosen by timing instead). `exact_rows` > 0: exact numerics
+    in the verifier's decode passes (`glance_rt.models.exact`)."""
     if isinstance(drafter, GlanceDrafter):
         check_compatible(drafter.config, target)
     if isinstance(drafter, Eagle3Drafter):
@@ -399,7 +401,8 @@ def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], k
         drafter = Eagle3Pass(drafter, target.parts.text_model.embed_tokens, max_len, plan=plans[1])
     if fuse is None:
         fuse = target.parts.lm_head.weight.is_cuda
-    verifier = TargetDecoder(target.parts, max_len, layers, plan=plans[0], fuse=fuse and plans[0] is None)
+    verifier = TargetDecoder(target.parts, max_len, layers, plan=plans[0], fuse=fuse and plans[0] is None,
+                             exact_rows=exact_rows)
     return verifier, drafter
 
 

@@ -1,0 +1,74 @@
+"""Exact numerics (issue 39): a decode pass computes each row bit for bit as an autoregressive step does.
+
+A verify pass of T tree rows and an autoregressive step of one row take different paths through
+torch's kernels, so the same position's logits differ in their last bits (measured on this CPU with
+`scripts/row_invariance.py`: MKL's fp32 GEMM gives another result for most elements of a row computed
+among T rows than alone; bf16 and fp16 now and then). Where two tokens are nearly tied, speculative
+decoding then commits a token that the same engine's own autoregression would not. With
+`numerics="exact"` every decode pass (AR steps and verify passes alike; prefill is shared by both and
+keeps the fast kernels) runs:
+
+- each linear layer (and the LM head) as GEMMs of exactly `EXACT_ROWS` rows, the rows padded with
+  zeros to a multiple of it (`RowBlockLinear`): a GEMM of a fixed shape reduces every output element
+  in one order whatever the row's neighbours and its place in the block, so a row gets the same bits
+  in a one-row step and in any verify pass (checked across the tiny architectures and dtypes, and a
+  planted variant whose reduction depends on the row count is caught: tests/test_exact.py);
+- attention one row at a time over the row's own visible cache rows gathered in cache order
+  (`row_attention`): the committed prefix, its ancestors, itself. That is the sequence of keys an
+  autoregressive step at the same position reads once its ancestors are committed (the commit moves
+  accepted rows together), so both make the same call on the same data. The tree's gaps (rows of other
+  branches between a row and its ancestors) never enter a reduction.
+
+Norms, activations, rotary embeddings and the residual adds work row by row and are left as they are.
+This path reads the prefix length on the host: it runs in eager passes.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+NUMERICS = ("fast", "exact")
+EXACT_ROWS = 8  # rows of every GEMM of an exact decode pass
+
+
+def check_numerics(numerics: str) -> str:
+    from glance_rt.errors import GlanceError
+
+    if numerics not in NUMERICS:
+        raise GlanceError(f"unknown numerics {numerics!r}: choose {' or '.join(NUMERICS)}")
+    return numerics
+
+
+class RowBlockLinear(nn.Module):
+    """`linear` (an nn.Linear, its weights shared) computed as GEMMs of exactly `block` rows."""
+
+    def __init__(self, linear: nn.Linear, block: int = EXACT_ROWS):
+        super().__init__()
+        self.linear, self.block = linear, block
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, k)  # [n, K]
+        n = rows.shape[0]
+        pad = -n % self.block
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros(pad, k)])  # [n + pad, K]
+        w, b = self.linear.weight, self.linear.bias
+        out = torch.cat([F.linear(blk, w, b) for blk in rows.split(self.block)])  # [n + pad, N]
+        return out[:n].reshape(*lead, -1)
+
+
+def row_attention(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len: Tensor, scale: float) -> Tensor:
+    """`glance::tree_attention`'s result (shapes as `tree_attention_reference`) computed one query row at
+    a time over its visible cache rows gathered in order: q [1, H, T, D]; k, v [1, KVH, L, D]."""
+    kv_heads, d = k.shape[1], q.shape[3]
+    groups, t = q.shape[1] // kv_heads, q.shape[2]
+    p = int(prefix_len)
+    prefix = torch.arange(p, device=q.device)
+    out = []
+    for i in range(t):
+        seen = torch.cat([prefix, p + tree_mask[i].nonzero()[:, 0]])  # [n]: the prefix, its ancestors, itself
+        qi = q[:, :, i].reshape(1, kv_heads, groups, d)  # [1, KVH, G, D]
+        oi = F.scaled_dot_product_attention(qi, k[:, :, seen], v[:, :, seen], scale=scale)  # [1, KVH, G, D]
+        out.append(oi.reshape(1, kv_heads * groups, 1, d))
+    return torch.cat(out, 2)  # [1, H, T, D]

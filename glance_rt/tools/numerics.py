@@ -1,0 +1,104 @@
+"""Row invariance (issue 39): does a verify pass compute a tree row's logits bit for bit like the
+autoregressive step at that position with the same prefix?
+
+Two measurements:
+- `linear_invariance`: one linear layer's output rows computed in a call of T rows against the same
+  rows computed one at a time (torch's own GEMM, or any `linear(x, w)`);
+- `row_agreement`: a whole target. A prompt is prefilled, then a tree of T rows is verified in one pass;
+  for every row, the cache is reset to the prompt and the row's path (root first) is stepped one row at
+  a time, as autoregressive decoding would commit it. The row's logits are compared with the last
+  step's, bit for bit.
+
+Where the two differ in their last bits, greedy speculative decoding can commit a token that the same
+engine's autoregression would not (a near tie); `scripts/row_invariance.py` runs both over the tiny
+architectures and dtypes and writes what it finds.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class RowCheck:
+    row: int  # tree row
+    depth: int  # its depth (0: the root, which an AR step at the same position computes)
+    equal: bool  # logits bit-identical to the AR step's
+    max_diff: float  # max |verify - AR| over the vocabulary
+    argmax_equal: bool  # the greedy token agrees
+
+
+def linear_invariance(linear, x: Tensor, w: Tensor, rows=(2, 3, 8, 9, 16, 17, 33)) -> dict[int, int]:
+    """{T: elements of `linear(x[:T], w)` that differ from the same rows computed one row per call}
+    for each T in `rows` (0 everywhere: row-invariant for these shapes)."""
+    out = {}
+    for t in rows:
+        full = linear(x[:t], w)
+        one = torch.cat([linear(x[i : i + 1], w) for i in range(t)])
+        out[t] = int((full != one).sum())
+    return out
+
+
+def torch_linear(x: Tensor, w: Tensor) -> Tensor:
+    return F.linear(x, w)
+
+
+def tree_mask(parents: list[int]) -> Tensor:
+    """Ancestor mask [T, T] (a row sees itself and its ancestors) of a tree given by parent rows (-1: root)."""
+    t = len(parents)
+    mask = torch.eye(t, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+def _path(parents: list[int], row: int) -> list[int]:
+    path = [row]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+@torch.inference_mode()
+def row_agreement(target, input_ids: list[int], tokens: list[int], parents: list[int], kernels=None,
+                  max_len: int = 256, numerics: str = "fast") -> list[RowCheck]:
+    """Verify rows against AR steps on `target` (text prompt `input_ids`; a tree of `tokens` with
+    `parents`, row 0 the root at the position after the prompt). `kernels`: the target's linear kernels
+    as `round_modules` takes them (None: the plain weights, torch's own GEMM); `numerics`: "fast" or
+    "exact" (`glance_rt.models.exact`)."""
+    from glance_rt.models.exact import EXACT_ROWS, check_numerics
+    from glance_rt.round.verify import round_modules, text_positions
+
+    t = len(tokens)
+    exact_rows = EXACT_ROWS if check_numerics(numerics) == "exact" else 0
+    verifier, _ = round_modules(target, None, max_len, (t, 1), kernels, fuse=False, exact_rows=exact_rows)
+    dev = verifier.embed_tokens.weight.device
+    mrope = verifier.mrope
+    p = len(input_ids)
+
+    def run(ids: list[int], start: int, positions: Tensor, mask: Tensor, prefill: bool = False) -> Tensor:
+        embeds = verifier.embed_tokens(torch.tensor(ids, device=dev))[None]  # [1, n, H]
+        pos = text_positions(positions.to(dev), 0, mrope)
+        logits, _ = verifier(embeds, pos, torch.tensor(start, device=dev), mask.to(dev), start + len(ids),
+                             prefill=prefill)
+        return logits  # [n, V]
+
+    run(input_ids, 0, torch.arange(p), torch.ones(p, p, dtype=torch.bool).tril(), prefill=True)
+    prompt_cache = [b.clone() for b in verifier.cache.buffers()]
+    mask = tree_mask(parents)
+    depth = mask.sum(1) - 1  # [T]
+    verified = run(tokens, p, p + depth, mask)  # [T, V]
+    one = torch.ones(1, 1, dtype=torch.bool)
+    checks = []
+    for row in range(t):
+        for b, saved in zip(verifier.cache.buffers(), prompt_cache, strict=True):
+            b.copy_(saved)
+        for d, node in enumerate(_path(parents, row)):  # AR: each node committed at the next position
+            ar = run([tokens[node]], p + d, torch.tensor([p + d]), one)[0]
+        v = verified[row]
+        checks.append(RowCheck(row, int(depth[row]), torch.equal(v, ar), float((v.float() - ar.float()).abs().max()),
+                               bool(v.argmax() == ar.argmax())))
+    return checks

@@ -1,0 +1,182 @@
+"""Exact numerics (issue 39): with numerics="exact" a verify pass computes every tree row's logits bit for
+bit as the autoregressive step at that position does, so GLANCE commits the same engine's AR tokens in
+every dtype, greedy and sampled, whatever the drafter, the budget or the lookup."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import glance_rt
+import glance_rt.models.exact as exact
+import glance_rt.models.target as target_module
+from glance_rt.models.attention import tree_attention_reference
+from glance_rt.tools.numerics import row_agreement, tree_mask
+from tests.conftest import OracleDrafter, tiny_target
+from tests.tiny_models import ARCHS, make_inputs, make_tiny
+
+DTYPES = ["float32", "bfloat16", "float16"]
+PROMPT = list(range(5, 40))
+TREE = ([11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [-1, 0, 0, 1, 1, 2, 3, 6, 7, 8, 9])  # depth up to 5
+NEW = 24
+
+
+def loaded(arch: str, dtype: str):
+    model, processor = make_tiny(arch)
+    return glance_rt.load_target(model, processor=processor, dtype=dtype), processor
+
+
+def test_tree_mask_is_the_ancestor_mask():
+    m = tree_mask([-1, 0, 0, 1])
+    assert m.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_verify_rows_are_ar_steps_bit_for_bit(arch, dtype):
+    """Every row of an 11-row tree (branches, depth 5) gets the logits of the AR step at its position
+    after its path is committed, bit for bit."""
+    target, _ = loaded(arch, dtype)
+    checks = row_agreement(target, PROMPT, *TREE, numerics="exact")
+    assert all(c.equal for c in checks), [(c.row, c.max_diff) for c in checks if not c.equal]
+
+
+def test_row_block_linear_is_the_linear_and_row_invariant():
+    """RowBlockLinear computes the layer (bias included) and a row's bits do not depend on how many rows
+    come with it, in every dtype (torch's own fp32 GEMM is not: the fast path differs)."""
+    from glance_rt.tools.numerics import linear_invariance
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        lin = torch.nn.Linear(96, 200, dtype=dtype)
+        block = exact.RowBlockLinear(lin)
+        x = torch.randn(2, 17, 96, generator=g).to(dtype)
+        torch.testing.assert_close(block(x), lin(x), rtol=0.01, atol=0.01)
+        assert block(x).shape == (2, 17, 200)
+        diff = linear_invariance(lambda x, w, b=block: b(x), x[0], lin.weight, (2, 3, 8, 9, 17))
+        assert set(diff.values()) == {0}, (dtype, diff)
+
+
+def split_k(self, x):
+    """A planted variant of RowBlockLinear whose reduction order depends on the row count: one row
+    reduces over K at once, several rows in two halves summed (split-K)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows, w, b = x.reshape(-1, k), self.linear.weight, self.linear.bias
+    if rows.shape[0] == 1:
+        out = F.linear(rows, w, b)
+    else:
+        h = k // 2
+        out = F.linear(rows[:, :h], w[:, :h]) + F.linear(rows[:, h:], w[:, h:])
+        out = out if b is None else out + b
+    return out.reshape(*lead, -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_planted_split_k_linear_is_caught(dtype, monkeypatch):
+    target, _ = loaded("qwen3", dtype)
+    monkeypatch.setattr(exact.RowBlockLinear, "forward", split_k)
+    checks = row_agreement(target, PROMPT, *TREE, numerics="exact")
+    assert not any(c.equal for c in checks)
+
+
+def test_a_planted_masked_attention_is_caught(monkeypatch):
+    """Attention over the whole prefix + tree with a mask (the fast path) instead of each row's own
+    gathered rows: the tree's gaps enter the reduction and the rows lose the AR step's bits (fp32)."""
+    target, _ = loaded("llama", "float32")
+    monkeypatch.setattr(target_module, "row_attention", tree_attention_reference)
+    checks = row_agreement(target, PROMPT, *TREE, numerics="exact")
+    assert not all(c.equal for c in checks)
+
+
+def same_engine_ar(target, inputs, sampling, new=NEW):
+    dec = glance_rt.Decoder(target, None, max_length=256, numerics="exact")
+    return dec.generate(max_new_tokens=new, sampling=sampling, **inputs).token_ids
+
+
+SAMPLINGS = {"greedy": glance_rt.Sampling(), "sampled": glance_rt.Sampling(do_sample=True, temperature=1.5, seed=7)}
+CONFIGS = [{"tree_budget": 8, "lookup": 0}, {"tree_budget": 32, "lookup": 0}, {"tree_budget": 16, "lookup": 3},
+           {"chain": True}]
+
+
+TOKEN_CASES = [pytest.param(arch, dtype, marks=() if (arch, dtype) == ("qwen2_5_vl", "bfloat16") else pytest.mark.full)
+               for dtype in ("bfloat16", "float16") for arch in ("llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl",
+                                                                  "llava")]
+
+
+@pytest.mark.parametrize("arch,dtype", TOKEN_CASES)
+def test_glance_commits_the_same_engines_ar_tokens(arch, dtype):
+    """Untrained drafter, every round drafting, budgets 8 and 32, 16 + lookup, a chain; greedy and
+    sampled: the tokens are the exact-numerics AR tokens (issue 39 counted 9 of 48 such runs differing
+    in bf16 with the fast kernels)."""
+    target, processor = loaded(arch, dtype)
+    inputs = make_inputs(arch, processor, prompt="Say something long about the sea.", n_images=0)
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=8, seed=2)
+    for name, s in SAMPLINGS.items():
+        want = same_engine_ar(target, inputs, s)
+        for cfg in CONFIGS:
+            dec = glance_rt.Decoder(target, drafter, max_length=256, gate=False, numerics="exact", **cfg)
+            assert dec.generate(max_new_tokens=NEW, sampling=s, **inputs).token_ids == want, (name, cfg)
+
+
+@pytest.mark.parametrize("kind", ["perfect", "decoy"])
+def test_oracle_and_decoy_drafters_in_bf16(kind):
+    """A drafter proposing the AR continuation itself (long acceptances: deep rows verified) and one that
+    ranks a wrong token above it at every depth: both commit exactly the bf16 AR tokens."""
+    target, processor = loaded("qwen2_5_vl", "bfloat16")
+    inputs = make_inputs("qwen2_5_vl", processor, prompt="Tell me a story.", n_images=1)
+    for s in SAMPLINGS.values():
+        want = same_engine_ar(target, inputs, s, new=30)
+        oracle = OracleDrafter(inputs["input_ids"].shape[1], want, target.vocab_size, block_size=6,
+                               decoy=kind == "decoy")
+        dec = glance_rt.Decoder(target, oracle, tree_budget=8, max_length=256, lookup=0, numerics="exact")
+        res = dec.generate(max_new_tokens=30, sampling=s, **inputs)
+        assert res.token_ids == want
+        if kind == "perfect":
+            assert res.stats.mean_accepted > 3
+
+
+def test_eagle3_head_in_exact_numerics():
+    from tests.test_eagle3_decode import eagle3
+
+    target, processor = loaded("qwen3", "bfloat16")
+    inputs = make_inputs("qwen3", processor, prompt="Say something long about the sea.", n_images=0)
+    dec = glance_rt.Decoder(target, eagle3(target, depth=3, top_k=3), tree_budget=6, max_length=256, gate=False,
+                            numerics="exact")
+    assert dec.method_name == "eagle3-6+always+exact"
+    assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == same_engine_ar(target, inputs, glance_rt.Sampling())
+
+
+def test_exact_numerics_are_named_and_refused_where_they_cannot_run():
+    from glance_rt.method import Method
+
+    target, _, _ = tiny_target("llama")
+    for name in ("ar+exact", "tree-8+lookup+always+exact", "tree-8+exact@plain", "chain+exact"):
+        m = Method.parse(name)
+        assert m.numerics == "exact" and m.name == name and Method.parse(m.name) == m
+    assert Method.parse("tree-8").numerics == "fast"
+    dec = glance_rt.Decoder.from_method(Method.parse("tree-8+lookup+exact"), target, glance_rt.init_drafter(target))
+    assert dec.numerics == "exact" and dec.method_name == "tree-8+lookup+exact"
+    with pytest.raises(glance_rt.GlanceError, match="exact numerics run eager passes"):
+        Method.parse("tree-8+exact@compile")
+    with pytest.raises(glance_rt.GlanceError, match="numerics='exact' runs eager passes"):
+        glance_rt.Decoder(target, None, backend="compile", numerics="exact")
+    with pytest.raises(glance_rt.GlanceError, match="unknown numerics"):
+        glance_rt.Decoder(target, None, numerics="bitwise")
+
+
+def test_cli_generate_exact_compares_with_exact_ar(tmp_path_factory, tmp_path):
+    """`generate --exact --compare` in bf16: GLANCE with exact numerics against the same engine's exact AR."""
+    from click.testing import CliRunner
+
+    from glance_rt.cli import main
+    from glance_rt.models.drafter import save_drafter
+    from tests.test_cli import model_folder
+
+    path = model_folder("qwen3", str(tmp_path_factory.mktemp("models")))
+    target = glance_rt.load_target(path)
+    save_drafter(glance_rt.init_drafter(target, num_layers=1, block_size=6, seed=2), tmp_path / "d")
+    args = ["generate", "--target", path, "--drafter", str(tmp_path / "d"), "--prompt", "Hello there",
+            "--max-new-tokens", "16", "--tree-budget", "6", "--dtype", "bfloat16", "--always-draft", "--compare",
+            "--exact"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "eager, exact numerics" in result.output and "tokens identical: yes" in result.output
