@@ -194,3 +194,22 @@ def test_compiled_and_engine_methods_are_compared_with_their_eager_method(tmp_pa
         assert rep["overall"][m]["speedup_vs_eager"]["n"] == len(ROWS)
     assert rep["overall"]["tree-4"]["speedup_vs_eager"] is None
     assert "× its eager method" in markdown(rep)
+
+
+def test_bf16_outputs_are_checked_against_the_same_engines_ar_in_their_numerics():
+    """In bf16 HF's kernels round otherwise, so outputs are checked against the same engine's autoregression:
+    `ar` for the fast methods, `ar+exact` for the `+exact` ones (issue 39), each required."""
+    model, processor = make_tiny("qwen2_5_vl")
+    target = glance_rt.load_target(model, processor=processor, dtype="bfloat16")
+    drafter = glance_rt.init_drafter(target, block_size=4)
+    methods = ("hf", "ar", "ar+exact", "tree-6+always+exact", "tree-6+always")
+    with pytest.raises(glance_rt.GlanceError, match="add ar\\+exact to --methods"):
+        run_bench(target, drafter, ROWS[:1], BenchConfig(methods=("hf", "ar", "tree-6+exact"), max_new_tokens=6,
+                                                          warmup=0), progress=False, log=quiet)
+    rep = run_bench(target, drafter, ROWS[:2], BenchConfig(methods=methods, max_new_tokens=16, warmup=0),
+                    progress=False, log=quiet)
+    assert rep["reference"] == ("the same engine's autoregression (same seed) / the same engine's autoregression in "
+                                "exact numerics (same seed)")
+    ok = {(r["method"], r["matches_hf"]) for r in rep["records"]}
+    assert {("ar+exact", True), ("tree-6+always+exact", True), ("hf", None)} <= ok
+    assert not any(m["method"].endswith("+exact") for m in rep["mismatches"])

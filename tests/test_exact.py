@@ -38,6 +38,9 @@ def test_verify_rows_are_ar_steps_bit_for_bit(arch, dtype):
     target, _ = loaded(arch, dtype)
     checks = row_agreement(target, PROMPT, *TREE, numerics="exact")
     assert all(c.equal for c in checks), [(c.row, c.max_diff) for c in checks if not c.equal]
+    if dtype == "float32":  # and with oneDNN's prepacked kernels (fp32 on a CPU), called at the block's rows
+        checks = row_agreement(target, PROMPT, *TREE, kernels=True, numerics="exact")
+        assert all(c.equal for c in checks), [(c.row, c.max_diff) for c in checks if not c.equal]
 
 
 def test_row_block_linear_is_the_linear_and_row_invariant():

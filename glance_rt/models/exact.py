@@ -40,9 +40,10 @@ def check_numerics(numerics: str) -> str:
 
 
 class RowBlockLinear(nn.Module):
-    """`linear` (an nn.Linear, its weights shared) computed as GEMMs of exactly `block` rows."""
+    """`linear` computed as GEMMs of exactly `block` rows: an nn.Linear (its weights shared) or any kernel
+    module of one (`glance_rt.models.kernels.kernel_module`: a `PackedLinear`, a `TransposedLinear`)."""
 
-    def __init__(self, linear: nn.Linear, block: int = EXACT_ROWS):
+    def __init__(self, linear: nn.Module, block: int = EXACT_ROWS):
         super().__init__()
         self.linear, self.block = linear, block
 
@@ -53,8 +54,7 @@ class RowBlockLinear(nn.Module):
         pad = -n % self.block
         if pad:
             rows = torch.cat([rows, rows.new_zeros(pad, k)])  # [n + pad, K]
-        w, b = self.linear.weight, self.linear.bias
-        out = torch.cat([F.linear(blk, w, b) for blk in rows.split(self.block)])  # [n + pad, N]
+        out = torch.cat([self.linear(blk) for blk in rows.split(self.block)])  # [n + pad, N]
         return out[:n].reshape(*lead, -1)
 
 

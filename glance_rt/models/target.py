@@ -33,9 +33,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def linear_for(plan: KernelPlan | None, module: nn.Module, rows: int, exact_rows: int) -> nn.Module:
-    """The module a linear layer runs as: `exact_rows` > 0, GEMMs of that many rows (exact numerics);
-    else the plan's kernel (`with_plan`)."""
-    return RowBlockLinear(module, exact_rows) if exact_rows else with_plan(plan, module, rows)
+    """The module a linear layer runs as: the plan's kernel at `rows` rows (`with_plan`); `exact_rows` > 0
+    (exact numerics), that kernel at `exact_rows` rows, always called with exactly that many."""
+    if exact_rows:
+        return RowBlockLinear(with_plan(plan, module, exact_rows), exact_rows)
+    return with_plan(plan, module, rows)
 
 
 class Attention(nn.Module):
@@ -144,9 +146,9 @@ class TargetDecoder(nn.Module):
         self.heads = nn.ModuleList(with_plan(plan, parts.lm_head, rows) for rows in self.row_classes)
         self.exact_stack = self.exact_head = None
         if exact_rows:
-            self.exact_stack = nn.ModuleList(Block(layer, n_heads, n_kv, head_dim, None, 1, False, exact_rows)
+            self.exact_stack = nn.ModuleList(Block(layer, n_heads, n_kv, head_dim, plan, exact_rows, False, exact_rows)
                                              for layer in tm.layers)
-            self.exact_head = RowBlockLinear(parts.lm_head, exact_rows)
+            self.exact_head = linear_for(plan, parts.lm_head, exact_rows, exact_rows)
         self.norm = tm.norm
         self.rotary_emb = tm.rotary_emb
         self.feature_layers = tuple(feature_layers)
@@ -155,7 +157,10 @@ class TargetDecoder(nn.Module):
         self.cache = KVCache(len(tm.layers), n_kv, max_len, head_dim, w.dtype, w.device)
 
     def kernel_modules(self) -> dict[int, list[nn.Module]]:
-        """{row class: the modules that run at it} (`glance_rt.models.kernels.kernel_summary`)."""
+        """{row class: the modules that run at it} (`glance_rt.models.kernels.kernel_summary`); with exact
+        numerics, what the decode passes run (every GEMM at the exact block's rows)."""
+        if self.exact_stack is not None:
+            return {self.exact_head.block: [self.exact_stack, self.exact_head]}
         classes = zip(self.row_classes, self.stacks, self.heads, strict=True)
         return {rows: [stack, head] for rows, stack, head in classes}
 

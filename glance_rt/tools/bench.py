@@ -157,12 +157,17 @@ def make_runner(method: str, target, drafter, cfg: BenchConfig, eagle3=None):
     return _glance_runner(target, eagle3 if parsed.kind == "eagle3" else drafter, cfg, parsed)
 
 
-REFERENCE_NAMES = {"hf": "HF greedy", "ar": "autoregressive sampling with the same seed"}
+REFERENCE_NAMES = {"hf": "HF greedy", "ar": "the same engine's autoregression (same seed)",
+                   "ar+exact": "the same engine's autoregression in exact numerics (same seed)"}
 
 
-def reference_method(cfg: BenchConfig) -> str:
-    """What every output is checked against: HF greedy, or (sampling) glance-rt's AR sampling."""
-    return "ar" if cfg.sampling.do_sample else "hf"
+def reference_method(cfg: BenchConfig, method: str = "ar", dtype: torch.dtype = torch.float32) -> str:
+    """What `method`'s outputs are checked against: HF greedy (greedy in fp32), else (sampling, or bf16
+    and fp16, where HF's kernels round otherwise) the same engine's AR in the method's numerics: `ar`,
+    or `ar+exact` for a `+exact` method."""
+    if not cfg.sampling.do_sample and dtype == torch.float32:
+        return "hf"
+    return "ar+exact" if "+exact" in method.partition("@")[0] else "ar"
 
 
 def eager_base(method: str) -> str | None:
@@ -200,10 +205,12 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
     if "hf" not in cfg.methods:
         raise GlanceError("bench needs the 'hf' method: every output is checked against HF greedy decoding "
                           "(and HF is the baseline speed)")
-    ref = reference_method(cfg)
-    if ref not in cfg.methods:
-        raise GlanceError("sampled bench needs the 'ar' method: every output is checked against autoregressive "
-                          "sampling with the same seed (add ar to --methods)")
+    refs = {m: reference_method(cfg, m, target.dtype) for m in cfg.methods}
+    missing = sorted({r for r in refs.values() if r not in cfg.methods})
+    if missing:
+        raise GlanceError(f"this bench checks its outputs against {', '.join(missing)} (sampled, or bf16/fp16: the "
+                          f"same engine's autoregression in each method's numerics): add {', '.join(missing)} to "
+                          "--methods")
     encoded = encode_rows(target, rows, images_dir)
     if cfg.max_length is None:
         cfg = replace(cfg, max_length=suite_max_length(encoded, cfg))
@@ -255,21 +262,23 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
         except (Skip, GlanceError) as e:
             skipped[adaptive] = str(e)
             log(f"[bench] skipping {adaptive}: {e}")
-    order = [ref] + [m for m in runners if m != ref]
+    first = list(dict.fromkeys(r for r in refs.values() if r in runners))
+    order = first + [m for m in runners if m not in first]
     records, mismatches, partial = [], [], False
     bar = tqdm(total=len(rows) * len(order), desc="bench", disable=not progress, dynamic_ncols=True)
     try:
         for i, (row, inputs) in enumerate(zip(rows, encoded, strict=True)):
-            reference = None
-            rest = order[1:]
+            reference = {}
+            rest = order[len(first):]
             rest = rest[i % len(rest):] + rest[: i % len(rest)] if rest else rest  # rotate: no fixed order bias
-            for m in [ref, *rest]:
+            for m in [*first, *rest]:
                 if target.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(target.device)
                 ids, seconds, ttft, stats = runners[m](inputs)
-                if m == ref:
-                    reference = ids
-                ok = None if m.startswith("hf") and ref != "hf" else ids == reference
+                if m in first:
+                    reference[m] = ids
+                ref = refs.get(m, refs.get(m.partition("@")[0], "hf"))
+                ok = None if m.startswith("hf") and ref != "hf" else ids == reference[ref]
                 if ok is False:
                     mismatches.append({"prompt": row["id"], "method": m})
                     log(f"[bench] !!! MISMATCH: {m} differs from {REFERENCE_NAMES[ref]} on prompt {row['id']} !!!")
@@ -375,7 +384,8 @@ def build_report(records, skipped, mismatches, partial, target, cfg: BenchConfig
         "torch_threads": torch.get_num_threads(),
         "machine": machine(),
         "config": asdict(cfg),
-        "reference": REFERENCE_NAMES[reference_method(cfg)],
+        "reference": " / ".join(dict.fromkeys(REFERENCE_NAMES[reference_method(cfg, m, target.dtype)]
+                                              for m in methods if not m.startswith("hf"))) or REFERENCE_NAMES["hf"],
         "partial": partial,
         "skipped": skipped,
         "mismatches": mismatches,
