@@ -429,8 +429,8 @@ def check_drafter(path, dflash):
 @click.option("--json", "json_out", type=click.Path(), default=None, help="Write the per-prompt report here.")
 def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, method, sampling, max_length, dtype,
           device, threshold, json_out):
-    """Check every output against HF greedy decoding (sampling: against the same engine's autoregressive
-    sampling with the same seed); exit 1 on a divergence (above --threshold)."""
+    """Check every output against HF greedy decoding (sampling, or --exact: against the same engine's
+    autoregression, with the same seed); exit 1 on a divergence (above --threshold)."""
     import json
     from dataclasses import asdict
 
@@ -457,7 +457,8 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, me
     exact = sum(r.exact for r in results)
     click.echo(f"[audit] {exact}/{len(results)} exact; {len(bad)} failing divergence(s) "
                f"({'any divergence fails' if threshold is None else f'margin > {threshold}'}); "
-               f"{_describe(dec)}; dtype {str(target.dtype).removeprefix('torch.')}")
+               f"{_describe(dec)}; dtype {str(target.dtype).removeprefix('torch.')}; against "
+               f"{audit_mod.reference_name(dec, sampling)}")
     if json_out:
         from glance_rt.files import atomic_write
 
@@ -465,7 +466,8 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, me
                                              "threshold": threshold, "method": dec.method_name,
                                              "tree_budget": dec.tree_budget, "chain": dec.chain, "lookup": dec.lookup,
                                              "backend": dec.backend.name, "engine": method.engine,
-                                             "sampling": asdict(sampling),
+                                             "sampling": asdict(sampling), "numerics": dec.numerics,
+                                             "reference": audit_mod.reference_name(dec, sampling),
                                              "drafter": drafter_path or ("default" if dec.drafter else None)})
         atomic_write(json_out, lambda p: p.write_text(json.dumps(report, indent=2)))
     if bad:

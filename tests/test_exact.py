@@ -183,3 +183,28 @@ def test_cli_generate_exact_compares_with_exact_ar(tmp_path_factory, tmp_path):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert "eager, exact numerics" in result.output and "tokens identical: yes" in result.output
+
+
+def test_cli_audit_exact_in_bf16_checks_against_the_exact_ar(tmp_path):
+    """`audit --exact` in bf16: against the same engine's exact autoregression, every output identical."""
+    import json
+
+    from click.testing import CliRunner
+
+    from glance_rt.cli import main
+    from glance_rt.models.drafter import save_drafter
+
+    model, processor = make_tiny("qwen2_5_vl")
+    model.save_pretrained(tmp_path / "m")
+    processor.save_pretrained(tmp_path / "m")
+    target = glance_rt.load_target(str(tmp_path / "m"))
+    save_drafter(glance_rt.init_drafter(target, num_layers=1, block_size=6, seed=2), tmp_path / "d")
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text("".join(json.dumps({"prompt": p, "kind": "chat"}) + "\n" for p in ["Hi there.", "Copy: a b c."]))
+    r = CliRunner().invoke(main, ["audit", "--target", str(tmp_path / "m"), "--drafter", str(tmp_path / "d"),
+                                  "--suite", str(suite), "--max-new-tokens", "16", "--dtype", "bfloat16", "--exact",
+                                  "--always-draft", "--json", str(tmp_path / "a.json")])
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "a.json").read_text())
+    assert report["exact"] == report["total"] == 2 and report["numerics"] == "exact"
+    assert report["reference"] == "the same engine's autoregression in exact numerics"

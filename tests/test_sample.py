@@ -312,10 +312,10 @@ def test_cli_generate_compare_audit_and_bench_sample_seed_exact(tmp_path):
                                   "ar,tree-4,hf", "--max-new-tokens", "8", "--json", str(tmp_path / "b.json"), *hot])
     assert r.exit_code == 0, r.output
     bench = json.loads((tmp_path / "b.json").read_text())
-    assert bench["reference"] == "autoregressive sampling with the same seed" and not bench["mismatches"]
+    assert bench["reference"] == "the same engine's autoregression (same seed)" and not bench["mismatches"]
     assert "Sampling (temperature 60.0" in r.stdout
     r = CliRunner().invoke(main, ["bench", "--target", m, "--suite", str(suite), "--methods", "hf", *hot])
-    assert r.exit_code != 0 and "needs the 'ar' method" in r.output
+    assert r.exit_code != 0 and "add ar to --methods" in r.output
     r = CliRunner().invoke(main, ["generate", "--target", m, "--prompt", "Hi", "--temperature", "0.5",
                                   "--top-p", "1.5"])
     assert r.exit_code != 0 and "top_p must be in (0, 1]" in r.output

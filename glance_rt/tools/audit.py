@@ -8,6 +8,9 @@ is the known effect of batched vs one-token kernels.
 
 Sampling: vs the same engine's autoregressive sampling with the same seed (HF samples with its own
 RNG, so its tokens are not comparable); any divergence fails (no margin is reported).
+
+Exact numerics (`--exact`, issue 39): vs the same engine's autoregression in exact numerics, greedy or
+sampled, in any dtype: the tokens must be identical, near ties included.
 """
 
 from dataclasses import asdict, dataclass
@@ -47,8 +50,9 @@ def margin_at(target, inputs: dict, prefix: list[int]) -> float:
 
 
 def reference_tokens(target, inputs: dict, max_new_tokens: int, sampling: Sampling, ar=None) -> list[int]:
-    """HF greedy (with the same penalty and stops), or `ar`'s sampling with the same seed."""
-    if sampling.do_sample:
+    """`ar`'s tokens (the same engine's autoregression: sampled with the same seed, or in exact
+    numerics), else HF greedy (with the same penalty and stops)."""
+    if ar is not None:
         return ar.generate(max_new_tokens=max_new_tokens, sampling=sampling, **inputs).token_ids
     from glance_rt.tools.bench import hf_sampling_kwargs
 
@@ -68,7 +72,7 @@ def audit_prompt(target, decoder, row: dict, inputs: dict, max_new_tokens: int, 
                 reference_tokens=len(ref))
     if i is None:
         return AuditRow(exact=True, **base)
-    margin = None if sampling.do_sample else margin_at(target, inputs, ref[:i])
+    margin = None if ar is not None else margin_at(target, inputs, ref[:i])
     return AuditRow(exact=False, divergence=i, margin=margin, expected=ref[i] if i < len(ref) else None,
                     got=ours[i] if i < len(ours) else None, **base)
 
@@ -76,19 +80,27 @@ def audit_prompt(target, decoder, row: dict, inputs: dict, max_new_tokens: int, 
 def audit(target, decoder, rows: list[dict], encoded: list[dict], max_new_tokens: int, progress: bool = True,
           sampling: Sampling = GREEDY):
     """Audit every row (`encoded`: its processor inputs, `glance_rt.tools.suites.encode_rows`); yields
-    AuditRow as it goes (so an interrupted audit keeps what it has). Sampling: against the same
-    engine without a drafter (same backend, caches and shapes)."""
+    AuditRow as it goes (so an interrupted audit keeps what it has). Sampling, and exact numerics:
+    against the same engine without a drafter (same backend, caches, shapes and numerics)."""
     from tqdm.auto import tqdm
 
     from glance_rt.round.loop import Decoder
 
     ar = None
-    if sampling.do_sample:
+    if sampling.do_sample or decoder.numerics == "exact":
         ar = decoder if decoder.drafter is None else Decoder(target, None, max_length=decoder.max_length,
-                                                              backend=decoder.backend, lookup=0)
+                                                              backend=decoder.backend, lookup=0,
+                                                              numerics=decoder.numerics)
     for row, inputs in tqdm(list(zip(rows, encoded, strict=True)), desc="audit", disable=not progress,
                             dynamic_ncols=True):
         yield audit_prompt(target, decoder, row, inputs, max_new_tokens, sampling, ar)
+
+
+def reference_name(decoder, sampling: Sampling) -> str:
+    """What `audit` checks `decoder`'s outputs against."""
+    if decoder.numerics == "exact":
+        return "the same engine's autoregression in exact numerics" + (" (same seed)" if sampling.do_sample else "")
+    return "the same engine's autoregressive sampling (same seed)" if sampling.do_sample else "HF greedy"
 
 
 def failures(results: list[AuditRow], threshold: float | None) -> list[AuditRow]:
