@@ -528,6 +528,52 @@ def lossless_section(run: Run) -> dict:
     return res
 
 
+def numerics_section(run: Run) -> dict:
+    """Issue 39 on this device: verify rows bit-equal to AR steps (an 11-row tree) and GLANCE's tokens
+    against the same engine's AR, bf16 and fp16, in the fastest mode (the device's default backend) and
+    in exact numerics (eager), greedy and sampled; counted, not gated."""
+    import glance_rt
+    from glance_rt.tools.numerics import row_agreement
+    from tests.tiny_models import make_inputs, make_tiny
+
+    dev, res = run.device, {"rows": {}, "tokens": {}}
+    archs = ["llama", "qwen2", "qwen3", "qwen2_vl", "qwen2_5_vl", "llava"] if not run.args.cpu else ["qwen2_5_vl"]
+    tree = ([11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [-1, 0, 0, 1, 1, 2, 3, 6, 7, 8, 9])
+    samplings = {"greedy": glance_rt.Sampling(), "sampled": glance_rt.Sampling(do_sample=True, temperature=1.5, seed=7)}
+    configs = ({"tree_budget": 8, "lookup": 0}, {"tree_budget": 16, "lookup": 3})
+    for arch in archs:
+        for dtype in ("bfloat16", "float16"):
+            if run.left() < run.args.reserve:
+                res["tokens"][f"{arch}/{dtype}"] = "skipped: deadline"
+                continue
+            torch._dynamo.reset()
+            model, processor = make_tiny(arch)
+            target = glance_rt.load_target(model, device=str(dev), processor=processor, dtype=dtype)
+            for numerics in ("fast", "exact"):
+                checks = row_agreement(target, list(range(5, 40)), *tree, numerics=numerics)
+                res["rows"][f"{arch}/{dtype}/{numerics}"] = f"{sum(c.equal for c in checks)}/{len(checks)}"
+            inputs = make_inputs(arch, processor, prompt="Say something long about the sea.", n_images=0)
+            inputs = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+            drafter = glance_rt.init_drafter(target, num_layers=1, block_size=8, seed=2)
+            for numerics in ("fast", "exact"):
+                kw = {"numerics": numerics, "max_length": 256, "chunk": 8}  # fast: the device's default backend
+                same, runs = 0, 0
+                for s in samplings.values():
+                    want = glance_rt.Decoder(target, None, **kw).generate(max_new_tokens=32, sampling=s,
+                                                                          **inputs).token_ids
+                    for cfg in configs:
+                        dec = glance_rt.Decoder(target, drafter, gate=False, **kw, **cfg)
+                        same += dec.generate(max_new_tokens=32, sampling=s, **inputs).token_ids == want
+                        runs += 1
+                res["tokens"][f"{arch}/{dtype}/{numerics}"] = f"{same}/{runs}"
+            print(arch, dtype, {k: v for k, v in res["tokens"].items() if k.startswith(f"{arch}/{dtype}")}, flush=True)
+    for numerics in ("fast", "exact"):
+        counts = [v for k, v in res["tokens"].items() if k.endswith(numerics) and "/" in v]
+        res[f"tokens_equal_ar_{numerics}"] = (f"{sum(int(c.split('/')[0]) for c in counts)}/"
+                                              f"{sum(int(c.split('/')[1]) for c in counts)}")
+    return res
+
+
 def unique_graphs() -> int:
     from torch._dynamo.utils import counters
 
@@ -755,21 +801,24 @@ def hf_static_runner(target, max_new_tokens: int, max_length: int):
     return run
 
 
-def real_figures(run: Run, target, drafter, rows: list, reference: str) -> dict:
-    """GLANCE (--method), the same engine's AR and HF static-cache greedy on `rows`: tokens/s, tau,
-    and how many outputs equal `reference`'s ("hf" or "ar"), counted not gated."""
+def real_figures(run: Run, target, drafter, rows: list, reference: str, method: str | None = None) -> dict:
+    """GLANCE (`method`, default --method), the same engine's AR (in the method's numerics) and HF
+    static-cache greedy on `rows`: tokens/s, tau, and how many outputs equal `reference`'s ("hf" or
+    "ar"), counted not gated."""
     from glance_rt.method import Method
     from glance_rt.tools.bench import BenchConfig, make_runner, suite_max_length
     from glance_rt.tools.suites import encode_rows
 
     a = run.args
+    method = method or a.method
+    m = Method.parse(method)
     encoded = encode_rows(target, rows)
-    ar = Method(kind="ar", lookup=0, backend=Method.parse(a.method).backend).name  # the same engine's AR
-    cfg = BenchConfig(methods=("hf", ar, a.method), max_new_tokens=a.real_new_tokens)
+    ar = Method(kind="ar", lookup=0, backend=m.backend, numerics=m.numerics).name  # the same engine's AR
+    cfg = BenchConfig(methods=("hf", ar, method), max_new_tokens=a.real_new_tokens)
     cfg = replace(cfg, max_length=suite_max_length(encoded, cfg))
     runners = {"hf_static": hf_static_runner(target, cfg.max_new_tokens, cfg.max_length),
                "ar": make_runner(ar, target, drafter, cfg),
-               "glance": make_runner(a.method, target, drafter, cfg)}
+               "glance": make_runner(method, target, drafter, cfg)}
     for r in runners.values():  # warm-up: HF compiles its step here
         r(encoded[0])
     tokens, seconds, taus, same = dict.fromkeys(runners, 0), dict.fromkeys(runners, 0.0), [], {}
@@ -786,15 +835,17 @@ def real_figures(run: Run, target, drafter, rows: list, reference: str) -> dict:
         for m in runners:
             same[m] = same.get(m, 0) + (ids[m] == ref)
     n = len(taus)
-    return {"prompts": n, "method": a.method, "reference": reference, "max_new_tokens": a.real_new_tokens,
+    return {"prompts": n, "method": method, "reference": reference, "max_new_tokens": a.real_new_tokens,
             "tok_s": {m: round(tokens[m] / seconds[m], 1) for m in runners if seconds[m]},
             "tau": round(statistics.mean(taus), 3) if taus else None,
             "equal_reference": {m: f"{same.get(m, 0)}/{n}" for m in runners}}
 
 
 def real_section(run: Run) -> dict:
-    """A real target and drafter (--target, --drafter) on held-out prompts, bf16 and fp32."""
+    """A real target and drafter (--target, --drafter) on held-out prompts, bf16 (fast and exact
+    numerics) and fp32."""
     import glance_rt
+    from glance_rt.method import Method
     from glance_rt.tools.suites import suite_rows
 
     a = run.args
@@ -811,6 +862,10 @@ def real_section(run: Run) -> dict:
         drafter = glance_rt.load_drafter(a.drafter, target)
         res[dtype] = real_figures(run, target, drafter, rows, reference)
         print(dtype, json.dumps(res[dtype]), flush=True)
+        if dtype == "bfloat16" and run.left() >= a.model_floor:  # issue 39: exact numerics beside the fastest
+            exact = replace(Method.parse(a.method), backend=None, numerics="exact").name
+            res["bfloat16_exact"] = real_figures(run, target, drafter, rows, "ar", exact)
+            print("bfloat16 exact", json.dumps(res["bfloat16_exact"]), flush=True)
         del target, drafter
         if run.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -845,6 +900,9 @@ def summary(report: dict) -> None:
     lo = report.get("lossless", {})
     print("lossless: all == HF:", lo.get("all_equal_hf"), "| no recompiles:", lo.get("no_recompiles"))
     print("gpu tests:", report.get("gpu_tests", {}).get("status"), report.get("gpu_tests", {}).get("summary", ""))
+    nu = report.get("numerics", {})
+    print("numerics (issue 39), GLANCE == same-engine AR, bf16/fp16 tiny models: fastest",
+          nu.get("tokens_equal_ar_fast"), "| exact", nu.get("tokens_equal_ar_exact"))
     for name, fig in report.get("timings", {}).items():
         if not isinstance(fig, dict) or "compile" not in fig:
             continue
@@ -888,7 +946,7 @@ def parse_args(argv=None):
     ap.add_argument("--per-kind", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--real-new-tokens", type=int, default=128)
-    ap.add_argument("--sections", default="kernel,lossless,timings,gpu_tests,real,tensorrt")
+    ap.add_argument("--sections", default="kernel,lossless,numerics,timings,gpu_tests,real,tensorrt")
     tools = ap.add_argument_group("tools (no measuring)")
     tools.add_argument("--plan", metavar="JSON", help="print the wheels to carry (name==version), write the plan")
     tools.add_argument("--size", metavar="DIR", help="check tree + DIR against the travel budget")
@@ -912,8 +970,9 @@ def main():
         sys.exit("no CUDA device: run on the GPU machine, or with --cpu to check the script")
     run = Run(args)
     run.report["env"] = environment(args)
-    sections = {"kernel": kernel_section, "lossless": lossless_section, "gpu_tests": gpu_tests_section,
-                "timings": timings_section, "real": real_section, "tensorrt": tensorrt_section}
+    sections = {"kernel": kernel_section, "lossless": lossless_section, "numerics": numerics_section,
+                "gpu_tests": gpu_tests_section, "timings": timings_section, "real": real_section,
+                "tensorrt": tensorrt_section}
     for name in args.sections.split(","):
         run.section(name, sections[name])
     summary(run.report)

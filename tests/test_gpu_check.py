@@ -125,11 +125,15 @@ def test_plan_prints_the_wheels(tmp_path):
     assert lines == [f"{n}=={v}" for n, v in plan["carried"].items()] and "transformers" in plan["carried"]
 
 
-def test_cpu_gpu_tests_and_real_sections(tmp_path):
+def test_cpu_gpu_tests_real_and_numerics_sections(tmp_path):
     """gpu_tests runs `pytest -m gpu` from a copy of tests/ (here: collected, skipped); real is skipped
-    cleanly without --target."""
-    run_script("--cpu", "--out", str(tmp_path), "--sections", "gpu_tests,real", timeout=300)
+    cleanly without --target; numerics counts verify rows and GLANCE runs equal to AR, fast and exact
+    (exact: all of them)."""
+    run_script("--cpu", "--out", str(tmp_path), "--sections", "gpu_tests,real,numerics", timeout=400)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
+    nu = report["numerics"]
+    assert nu["tokens_equal_ar_exact"] == "8/8" and nu["rows"]["qwen2_5_vl/bfloat16/exact"] == "11/11"
+    assert set(nu["tokens"]) == {f"qwen2_5_vl/{d}/{n}" for d in ("bfloat16", "float16") for n in ("fast", "exact")}
     assert report["gpu_tests"]["status"] == "passed" and "skipped" in report["gpu_tests"]["summary"]
     assert "tests/test_passes.py" in report["gpu_tests"]["files"]
     assert report["real"] == {"status": "not run: no --target"}
