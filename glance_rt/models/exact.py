@@ -12,7 +12,9 @@ keeps the fast kernels) runs:
   zeros to a multiple of it (`RowBlockLinear`): a GEMM of a fixed shape reduces every output element
   in one order whatever the row's neighbours and its place in the block, so a row gets the same bits
   in a one-row step and in any verify pass (checked across the tiny architectures and dtypes, and a
-  planted variant whose reduction depends on the row count is caught: tests/test_exact.py);
+  planted variant whose reduction depends on the row count is caught: tests/test_exact.py). On CUDA,
+  the Triton matmul of `glance_rt.plugins.matmul_triton` instead (fixed tiles, no split-K; through
+  Triton's interpreter here, not yet run on a GPU);
 - attention one row at a time over the row's own visible cache rows gathered in cache order
   (`row_attention`): the committed prefix, its ancestors, itself. That is the sequence of keys an
   autoregressive step at the same position reads once its ancestors are committed (the commit moves
@@ -41,13 +43,20 @@ def check_numerics(numerics: str) -> str:
 
 class RowBlockLinear(nn.Module):
     """`linear` computed as GEMMs of exactly `block` rows: an nn.Linear (its weights shared) or any kernel
-    module of one (`glance_rt.models.kernels.kernel_module`: a `PackedLinear`, a `TransposedLinear`)."""
+    module of one (`glance_rt.models.kernels.kernel_module`: a `PackedLinear`, a `TransposedLinear`).
+    On CUDA an nn.Linear runs the Triton matmul whose reduction order is fixed per output element
+    whatever the rows (`glance_rt.plugins.matmul_triton`; no padding needed, and no library's choice
+    of algorithm or split-K by shape)."""
 
     def __init__(self, linear: nn.Module, block: int = EXACT_ROWS):
         super().__init__()
         self.linear, self.block = linear, block
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.is_cuda and isinstance(self.linear, nn.Linear):
+            from glance_rt.plugins.matmul_triton import invariant_linear
+
+            return invariant_linear(x, self.linear.weight, self.linear.bias)
         lead, k = x.shape[:-1], x.shape[-1]
         rows = x.reshape(-1, k)  # [n, K]
         n = rows.shape[0]
