@@ -61,7 +61,7 @@ def method_options(command):
                           "where the entropy law and the round costs measured here predict drafting loses)."),
         click.option("--exact", is_flag=True,
                      help="Exact numerics: every verify row computed bit for bit as an autoregressive step, so "
-                          "the tokens equal this engine's own AR tokens in bf16/fp16 too (eager passes; slower)."),
+                          "the tokens equal this engine's own AR tokens in bf16/fp16 too (eager or compile; slower)."),
     ]
     for option in reversed(options):
         wrapper = option(wrapper)

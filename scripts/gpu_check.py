@@ -530,13 +530,14 @@ def lossless_section(run: Run) -> dict:
 
 def numerics_section(run: Run) -> dict:
     """Issue 39 on this device: verify rows bit-equal to AR steps (an 11-row tree) and GLANCE's tokens
-    against the same engine's AR, bf16 and fp16, in the fastest mode (the device's default backend) and
-    in exact numerics (eager), greedy and sampled; counted, not gated."""
+    against the same engine's AR, bf16 and fp16, with the fast kernels and in exact numerics (on CUDA:
+    the Triton matmul), greedy and sampled, on `--numerics-backend` (eager: no compile time; compile:
+    the device's default, CUDA graphs); counted, not gated."""
     import glance_rt
     from glance_rt.tools.numerics import row_agreement
     from tests.tiny_models import make_inputs, make_tiny
 
-    dev, res = run.device, {"rows": {}, "tokens": {}}
+    dev, res = run.device, {"backend": run.args.numerics_backend, "rows": {}, "tokens": {}}
     archs = run.args.numerics_archs.split(",")
     tree = ([11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [-1, 0, 0, 1, 1, 2, 3, 6, 7, 8, 9])
     samplings = {"greedy": glance_rt.Sampling(), "sampled": glance_rt.Sampling(do_sample=True, temperature=1.5, seed=7)}
@@ -556,7 +557,7 @@ def numerics_section(run: Run) -> dict:
             inputs = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
             drafter = glance_rt.init_drafter(target, num_layers=1, block_size=8, seed=2)
             for numerics in ("fast", "exact"):
-                kw = {"numerics": numerics, "max_length": 256, "chunk": 8}  # fast: the device's default backend
+                kw = {"numerics": numerics, "max_length": 256, "chunk": 8, "backend": run.args.numerics_backend}
                 ar = glance_rt.Decoder(target, None, **kw)
                 decs = [glance_rt.Decoder(target, drafter, gate=False, **kw, **cfg) for cfg in configs]
                 same, runs = 0, 0
@@ -933,6 +934,8 @@ def parse_args(argv=None):
                     help="tiny architectures the lossless sweep also runs compiled ('all': every one)")
     ap.add_argument("--numerics-archs", default="qwen2_5_vl",
                     help="numerics: tiny architectures (issue 39 saw bf16 differences on qwen2_5_vl and qwen2_vl)")
+    ap.add_argument("--numerics-backend", default="eager", choices=["eager", "compile"],
+                    help="numerics: the backend both modes run on (compile: a compile per decoder, minutes)")
     ap.add_argument("--tests-timeout", type=int, default=150, help="seconds for the gpu_tests subprocess")
     ap.add_argument("--context", type=int, default=1024, help="prefix rows already in the cache (timings)")
     ap.add_argument("--budgets", default="64", help="tree budgets timed (issue 37's goals are at 64)")

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 
 import glance_rt
 import glance_rt.models.exact as exact
-import glance_rt.models.target as target_module
 from glance_rt.models.attention import tree_attention_reference
 from glance_rt.tools.numerics import row_agreement, tree_mask
 from tests.conftest import OracleDrafter, tiny_target
@@ -41,6 +40,9 @@ def test_verify_rows_are_ar_steps_bit_for_bit(arch, dtype):
     if dtype == "float32":  # and with oneDNN's prepacked kernels (fp32 on a CPU), called at the block's rows
         checks = row_agreement(target, PROMPT, *TREE, kernels=True, numerics="exact")
         assert all(c.equal for c in checks), [(c.row, c.max_diff) for c in checks if not c.equal]
+    # as fixed-shape passes run it: every pass over all cache rows, the visible ones gathered to the front
+    checks = row_agreement(target, PROMPT, *TREE, numerics="exact", static=True)
+    assert all(c.equal for c in checks), [(c.row, c.max_diff) for c in checks if not c.equal]
 
 
 def test_row_block_linear_is_the_linear_and_row_invariant():
@@ -85,7 +87,7 @@ def test_a_planted_masked_attention_is_caught(monkeypatch):
     """Attention over the whole prefix + tree with a mask (the fast path) instead of each row's own
     gathered rows: the tree's gaps enter the reduction and the rows lose the AR step's bits (fp32)."""
     target, _ = loaded("llama", "float32")
-    monkeypatch.setattr(target_module, "row_attention", tree_attention_reference)
+    monkeypatch.setattr(exact, "row_attention", tree_attention_reference)
     checks = row_agreement(target, PROMPT, *TREE, numerics="exact")
     assert not all(c.equal for c in checks)
 
@@ -158,10 +160,9 @@ def test_exact_numerics_are_named_and_refused_where_they_cannot_run():
     assert Method.parse("tree-8").numerics == "fast"
     dec = glance_rt.Decoder.from_method(Method.parse("tree-8+lookup+exact"), target, glance_rt.init_drafter(target))
     assert dec.numerics == "exact" and dec.method_name == "tree-8+lookup+exact"
-    with pytest.raises(glance_rt.GlanceError, match="exact numerics run eager passes"):
-        Method.parse("tree-8+exact@compile")
-    with pytest.raises(glance_rt.GlanceError, match="numerics='exact' runs eager passes"):
-        glance_rt.Decoder(target, None, backend="compile", numerics="exact")
+    assert Method.parse("tree-8+exact@compile").backend == "compile"
+    with pytest.raises(glance_rt.GlanceError, match="not a built engine's graphs"):
+        Method(numerics="exact", engine="some/engine")
     with pytest.raises(glance_rt.GlanceError, match="unknown numerics"):
         glance_rt.Decoder(target, None, numerics="bitwise")
 
@@ -208,3 +209,28 @@ def test_cli_audit_exact_in_bf16_checks_against_the_exact_ar(tmp_path):
     report = json.loads((tmp_path / "a.json").read_text())
     assert report["exact"] == report["total"] == 2 and report["numerics"] == "exact"
     assert report["reference"] == "the same engine's autoregression in exact numerics"
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "llama"])
+def test_compiled_exact_glance_is_its_compiled_ar_and_never_recompiles(arch):
+    """backend="compile" with exact numerics (attention gathered to the cache's fixed length): GLANCE in
+    bf16 commits the compiled exact AR's tokens, greedy and sampled, trees and lookup; new prompts add
+    no graph."""
+    from tests.test_passes import unique_graphs
+
+    torch._dynamo.reset()
+    target, processor = loaded(arch, "bfloat16")
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=8, seed=2)
+    kw = {"max_length": 256, "backend": "compile", "chunk": 8, "numerics": "exact"}
+    ar = glance_rt.Decoder(target, None, **kw)
+    decs = [glance_rt.Decoder(target, drafter, gate=False, **kw, **cfg) for cfg in CONFIGS[:3]]
+    for dec in (ar, *decs):
+        dec.warmup()  # every graph compiled up front
+    warm = unique_graphs()
+    for i, prompt in enumerate(["Say something long about the sea.", "Hi", "Count the objects, then name them."]):
+        inputs = make_inputs(arch, processor, prompt=prompt, n_images=0, seed=i)
+        for s in SAMPLINGS.values():
+            want = ar.generate(max_new_tokens=NEW, sampling=s, **inputs).token_ids
+            for dec in decs:
+                assert dec.generate(max_new_tokens=NEW, sampling=s, **inputs).token_ids == want, (prompt, s)
+    assert unique_graphs() == warm

@@ -92,18 +92,12 @@ def test_a_planted_split_k_variant_is_caught(dtype):
 def test_aot_compile_for_sm80_and_sm90():
     """`triton.compile` for sm_80/sm_90 with no GPU, in a process without TRITON_INTERPRET: PTX and a
     cubin for every dtype (the tiles are fixed per dtype: one compile each)."""
-    import json
-    import os
-    import subprocess
-    import sys
+    from tests.test_triton_kernel import run_without_interpreter
 
     code = ("import json, torch\nfrom glance_rt.plugins import matmul_triton as m\nout = {}\n"
             "for arch in (80, 90):\n    for dt in (torch.float32, torch.float16, torch.bfloat16):\n"
             "        k = m.compile_aot(dt, True, arch)\n"
             "        out[f'{arch}-{dt}'] = [f'.target sm_{arch}' in k.asm['ptx'], len(k.asm['cubin'])]\n"
             "print(json.dumps(out))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = run_without_interpreter(code)
     assert len(out) == 6 and all(target and cubin > 0 for target, cubin in out.values()), out

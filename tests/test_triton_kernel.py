@@ -177,6 +177,20 @@ def test_split_rows_must_be_a_power_of_two():
             triton_kernel.tree_attention(q, k, v, mask, torch.tensor(10), 0.25, split_rows=bad)
 
 
+def run_without_interpreter(code: str, *args: str):
+    """Run `code` in a Python process without TRITON_INTERPRET (the interpreter replaces Triton's
+    language, so nothing compiles beside it) -> the JSON its last line of output prints."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 AOT_CASES = [(arch, dtype, 128) for arch in (80, 90) for dtype in ("float32", "float16", "bfloat16")]
 AOT_CASES += [(90, dtype, d) for dtype in ("float32", "bfloat16") for d in (64, 80, 256)]
 
@@ -186,19 +200,13 @@ def compiled():
     """`compile_aot` of every case, in a process without TRITON_INTERPRET (the interpreter replaces
     Triton's language, so nothing compiles beside it): (arch, dtype, head_dim) -> `describe`."""
     import json
-    import os
-    import subprocess
-    import sys
 
     code = ("import json, sys\nfrom glance_rt.plugins import tree_attention_triton as m\n"
             "out = {}\nfor arch, dtype, d in json.loads(sys.argv[1]):\n"
             "    out[f'{arch}-{dtype}-{d}'] = m.describe(m.compile_aot(dtype, d, 8, d ** -0.5, arch))\n"
             "print(json.dumps(out))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code, json.dumps(AOT_CASES)], capture_output=True, text=True,
-                         env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return {tuple(int(x) if x.isdigit() else x for x in k.split("-")): v for k, v in json.loads(run.stdout).items()}
+    out = run_without_interpreter(code, json.dumps(AOT_CASES))
+    return {tuple(int(x) if x.isdigit() else x for x in k.split("-")): v for k, v in out.items()}
 
 
 @pytest.mark.parametrize("arch", [80, 90])
@@ -275,19 +283,11 @@ def test_plugin_ptx_refuses_a_body_that_reads_a_hidden_parameter(compiled):
 def test_split_kernels_compile_ahead_of_time():
     """The split and combine kernels lower to PTX and assemble (cubin) for sm_80 and sm_90 with no GPU,
     where the interpreter alone would not catch what only the compiler refuses."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     code = ("import json\nfrom glance_rt.plugins import tree_attention_triton as m\nout = []\n"
             "for arch, dtype, d, bm in [(90, 'bfloat16', 128, 64), (80, 'float32', 64, 16)]:\n"
             "    for k in m.compile_split_aot(dtype, d, 7, d ** -0.5, arch, m.SPLIT_ROWS, bm):\n"
             "        out.append([k.metadata.name, len(k.asm['cubin']), f'.target sm_{arch}' in k.asm['ptx']])\n"
             "print(json.dumps(out))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout)
+    got = run_without_interpreter(code)
     assert [name for name, _, _ in got] == ["tree_attention_split_kernel", "tree_attention_combine_kernel"] * 2
     assert all(cubin > 0 and target for _, cubin, target in got)

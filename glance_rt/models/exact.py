@@ -22,8 +22,13 @@ keeps the fast kernels) runs:
   branches between a row and its ancestors) never enter a reduction.
 
 Norms, activations, rotary embeddings and the residual adds work row by row and are left as they are.
-This path reads the prefix length on the host: it runs in eager passes.
+Eager passes gather each row's rows to their exact count (`row_attention`: it reads the prefix length
+on the host); fixed-shape passes (backend="compile", CUDA graphs) gather them to the front of a
+sequence as long as the cache and mask the rest (`static_row_attention`: no host read). Each backend's
+AR and GLANCE agree bit for bit; the two backends need not agree with each other.
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +36,21 @@ from torch import Tensor, nn
 
 NUMERICS = ("fast", "exact")
 EXACT_ROWS = 8  # rows of every GEMM of an exact decode pass
+
+
+@dataclass(frozen=True)
+class ExactNumerics:
+    """How a decoder's decode passes run in exact numerics: every GEMM at `rows` rows; attention row by
+    row over each row's visible cache rows, gathered to their exact count (`row_attention`, eager
+    passes) or, `static`, to the fixed length of the cache (`static_row_attention`: no host reads, so
+    compiled graphs and CUDA graphs carry it)."""
+
+    rows: int = EXACT_ROWS
+    static: bool = False
+
+    @property
+    def attention(self):
+        return static_row_attention if self.static else row_attention
 
 
 def check_numerics(numerics: str) -> str:
@@ -81,3 +101,23 @@ def row_attention(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len
         oi = F.scaled_dot_product_attention(qi, k[:, :, seen], v[:, :, seen], scale=scale)  # [1, KVH, G, D]
         out.append(oi.reshape(1, kv_heads * groups, 1, d))
     return torch.cat(out, 2)  # [1, H, T, D]
+
+
+def static_row_attention(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len: Tensor,
+                         scale: float) -> Tensor:
+    """`row_attention` at fixed shapes: each query row's visible cache rows are gathered, in cache order,
+    to the front of a sequence as long as the cache (L rows), the rest behind them masked out. An AR
+    step and a verify row at the same position then attend the same keys at the same places of a
+    sequence of the same length, with no host read of prefix_len. q [1, H, T, D]; k, v [1, KVH, L, D]."""
+    from glance_rt.models.attention import visibility
+
+    kv_heads, length, d = k.shape[1], k.shape[2], q.shape[3]
+    h, t = q.shape[1], q.shape[2]
+    seen = visibility(tree_mask, prefix_len, length)  # [T, L]
+    order = torch.sort((~seen).to(torch.int8), dim=1, stable=True).indices  # [T, L]: visible rows first, in order
+    keep = torch.arange(length, device=q.device)[None, :] < seen.sum(1, keepdim=True)  # [T, L]
+    kg = k[0][:, order].transpose(0, 1)  # [T, KVH, L, D]
+    vg = v[0][:, order].transpose(0, 1)
+    qg = q[0].transpose(0, 1).reshape(t, kv_heads, h // kv_heads, d)  # [T, KVH, G, D]
+    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=keep[:, None, None, :], scale=scale)  # [T, KVH, G, D]
+    return out.reshape(t, h, d).transpose(0, 1)[None]  # [1, H, T, D]

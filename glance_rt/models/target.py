@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from glance_rt.errors import GlanceError
 from glance_rt.models.attention import attend
-from glance_rt.models.exact import RowBlockLinear, row_attention
+from glance_rt.models.exact import ExactNumerics, RowBlockLinear
 from glance_rt.models.fused import FusedLinear, fusable
 from glance_rt.models.kernels import KernelPlan, class_index, with_plan
 from glance_rt.models.kv_cache import KVCache
@@ -32,28 +32,28 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
-def linear_for(plan: KernelPlan | None, module: nn.Module, rows: int, exact_rows: int) -> nn.Module:
-    """The module a linear layer runs as: the plan's kernel at `rows` rows (`with_plan`); `exact_rows` > 0
-    (exact numerics), that kernel at `exact_rows` rows, always called with exactly that many."""
-    if exact_rows:
-        return RowBlockLinear(with_plan(plan, module, exact_rows), exact_rows)
+def linear_for(plan: KernelPlan | None, module: nn.Module, rows: int, exact: ExactNumerics | None) -> nn.Module:
+    """The module a linear layer runs as: the plan's kernel at `rows` rows (`with_plan`); with `exact`
+    numerics, that kernel at `exact.rows` rows, always called with exactly that many."""
+    if exact is not None:
+        return RowBlockLinear(with_plan(plan, module, exact.rows), exact.rows)
     return with_plan(plan, module, rows)
 
 
 class Attention(nn.Module):
-    """`exact_rows` > 0: exact numerics (`glance_rt.models.exact`), linear layers in GEMMs of that many
-    rows and attention row by row."""
+    """`exact`: exact numerics (`glance_rt.models.exact`), linear layers in GEMMs of a fixed row count and
+    attention row by row."""
 
     def __init__(self, hf_attn: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, plan: KernelPlan | None,
-                 rows: int, fuse: bool = False, exact_rows: int = 0):
+                 rows: int, fuse: bool = False, exact: ExactNumerics | None = None):
         super().__init__()
         qkv = [hf_attn.q_proj, hf_attn.k_proj, hf_attn.v_proj]
-        one_gemm = fuse and plan is None and not exact_rows and fusable(qkv)
+        one_gemm = fuse and plan is None and exact is None and fusable(qkv)
         self.qkv = FusedLinear(qkv) if one_gemm else None
         if self.qkv is None:
-            self.q_proj, self.k_proj, self.v_proj = (linear_for(plan, m, rows, exact_rows) for m in qkv)
-        self.o_proj = linear_for(plan, hf_attn.o_proj, rows, exact_rows)
-        self.attend = row_attention if exact_rows else attend
+            self.q_proj, self.k_proj, self.v_proj = (linear_for(plan, m, rows, exact) for m in qkv)
+        self.o_proj = linear_for(plan, hf_attn.o_proj, rows, exact)
+        self.attend = attend if exact is None else exact.attention
         self.q_norm = getattr(hf_attn, "q_norm", None)  # Qwen3: RMSNorm over head_dim
         self.k_norm = getattr(hf_attn, "k_norm", None)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
@@ -80,13 +80,13 @@ class MLP(nn.Module):
     kernel, or (`fuse`, plain weights) gate and up as one GEMM."""
 
     def __init__(self, hf_mlp: nn.Module, plan: KernelPlan | None, rows: int, fuse: bool = False,
-                 exact_rows: int = 0):
+                 exact: ExactNumerics | None = None):
         super().__init__()
         gate_up = [hf_mlp.gate_proj, hf_mlp.up_proj]
-        self.gate_up = FusedLinear(gate_up) if fuse and plan is None and not exact_rows and fusable(gate_up) else None
+        self.gate_up = FusedLinear(gate_up) if fuse and plan is None and exact is None and fusable(gate_up) else None
         if self.gate_up is None:
-            self.gate_proj, self.up_proj = (linear_for(plan, m, rows, exact_rows) for m in gate_up)
-        self.down_proj = linear_for(plan, hf_mlp.down_proj, rows, exact_rows)
+            self.gate_proj, self.up_proj = (linear_for(plan, m, rows, exact) for m in gate_up)
+        self.down_proj = linear_for(plan, hf_mlp.down_proj, rows, exact)
         self.act_fn = hf_mlp.act_fn
 
     def forward(self, x: Tensor) -> Tensor:
@@ -96,18 +96,18 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, hf_layer: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int, plan: KernelPlan | None,
-                 rows: int, fuse: bool = False, exact_rows: int = 0):
+                 rows: int, fuse: bool = False, exact: ExactNumerics | None = None):
         super().__init__()
         self.input_layernorm = hf_layer.input_layernorm
         self.post_attention_layernorm = hf_layer.post_attention_layernorm
-        self.self_attn = Attention(hf_layer.self_attn, n_heads, n_kv_heads, head_dim, plan, rows, fuse, exact_rows)
+        self.self_attn = Attention(hf_layer.self_attn, n_heads, n_kv_heads, head_dim, plan, rows, fuse, exact)
         mlp = hf_layer.mlp
         gated = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-        if exact_rows and not gated:
+        if exact is not None and not gated:
             raise GlanceError(f"numerics='exact' runs a gated MLP's projections in fixed row blocks; this model's MLP "
                               f"({type(mlp).__name__}) is not one: use numerics='fast'")
-        ours = (plan is not None or fuse or exact_rows) and gated
-        self.mlp = MLP(mlp, plan, rows, fuse, exact_rows) if ours else mlp
+        ours = (plan is not None or fuse or exact is not None) and gated
+        self.mlp = MLP(mlp, plan, rows, fuse, exact) if ours else mlp
 
     def forward(self, h, cos, sin, cache, layer, rows, kv_len, tree_mask):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, rows, kv_len, tree_mask)
@@ -126,13 +126,13 @@ class TargetDecoder(nn.Module):
     HF modules as they are): `stacks[i]` and `heads[i]` run row class `row_classes[i]`, chosen by a
     call's row count (the head's: the logit rows). `fuse` (with no plan): each layer's q, k, v and
     its gate, up projections run as one GEMM each (`glance_rt.models.fused`: the HF parameters become
-    views of one buffer per group, no second copy). `exact_rows` > 0: exact numerics
+    views of one buffer per group, no second copy). `exact`: exact numerics
     (`glance_rt.models.exact`): every call but a prefill (`prefill=True`) runs `exact_stack` and
     `exact_head`, whose rows each get the bits a one-row call gives them; prefill keeps the plan's.
     """
 
     def __init__(self, parts, max_len: int, feature_layers: tuple[int, ...] = (), plan: KernelPlan | None = None,
-                 fuse: bool = False, exact_rows: int = 0):
+                 fuse: bool = False, exact: ExactNumerics | None = None):
         super().__init__()
         cfg = parts.text_config
         tm = parts.text_model
@@ -145,10 +145,10 @@ class TargetDecoder(nn.Module):
             for rows in self.row_classes)
         self.heads = nn.ModuleList(with_plan(plan, parts.lm_head, rows) for rows in self.row_classes)
         self.exact_stack = self.exact_head = None
-        if exact_rows:
-            self.exact_stack = nn.ModuleList(Block(layer, n_heads, n_kv, head_dim, plan, exact_rows, False, exact_rows)
+        if exact is not None:
+            self.exact_stack = nn.ModuleList(Block(layer, n_heads, n_kv, head_dim, plan, exact.rows, False, exact)
                                              for layer in tm.layers)
-            self.exact_head = linear_for(plan, parts.lm_head, exact_rows, exact_rows)
+            self.exact_head = linear_for(plan, parts.lm_head, exact.rows, exact)
         self.norm = tm.norm
         self.rotary_emb = tm.rotary_emb
         self.feature_layers = tuple(feature_layers)

@@ -16,7 +16,7 @@ from glance_rt.engines.engine import load_engine
 from glance_rt.errors import GlanceError
 from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_MAX_LENGTH, DEFAULT_TREE_BUDGET, Method, default_backend
 from glance_rt.models.eagle3 import Eagle3Drafter
-from glance_rt.models.exact import EXACT_ROWS, check_numerics
+from glance_rt.models.exact import ExactNumerics, check_numerics
 from glance_rt.models.kernels import KernelTuner, kernel_summary
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
@@ -160,7 +160,7 @@ class Decoder:
     computes each row bit for bit as a one-row step does (`glance_rt.models.exact`: linear layers as
     GEMMs of a fixed row count, attention row by row over each row's own visible cache rows), so the
     tokens equal this engine's own autoregressive tokens in every dtype (bf16 and fp16 included), not
-    only up to near ties. Eager passes only (compiled and engine backends are refused).
+    only up to near ties. Eager and compiled passes (a built engine's graphs are refused).
     """
 
     def __init__(self, target, drafter=None, tree_budget: "int | AdaptiveBudget | None" = None, chain: bool = False,
@@ -181,12 +181,12 @@ class Decoder:
         check_budget(tree_budget)
         if max_length < 2:
             raise GlanceError(f"max_length must be at least 2, got {max_length}")
-        if backend is None:  # exact numerics run eager passes on every device
-            backend = "eager" if numerics == "exact" else default_backend(target.device)
+        if backend is None:
+            backend = default_backend(target.device)
         self.backend = backend if isinstance(backend, Backend) else named_backend(backend, chunk)
-        if numerics == "exact" and self.backend.name != "eager":
-            raise GlanceError(f"numerics='exact' runs eager passes (it reads each row's visible cache rows on the "
-                              f"host); backend {self.backend.name!r} asked: use backend='eager'")
+        if numerics == "exact" and self.backend.name not in ("eager", "compile"):
+            raise GlanceError(f"numerics='exact' runs eager or compiled passes; the {self.backend.name} engine's "
+                              "graphs were built with the fast kernels: use backend='eager' or 'compile'")
         if lookup is None:
             lookup = DEFAULT_LOOKUP if grafts_lookup(drafter, chain) else 0
         if lookup < 0 or (lookup and not grafts_lookup(drafter, chain)):
@@ -209,8 +209,9 @@ class Decoder:
         self.lookup_budget = self._lookup_budget(lookup_budget)
         self.pending_rows = max_depth(block) + 1  # drafter-context rows a skipped draft may leave pending
         verify_rows = tuple(b + 1 for b in self.budgets)
+        exact = ExactNumerics(static=self.backend.name != "eager") if numerics == "exact" else None
         self.verifier, self.drafter = round_modules(target, drafter, max_length, verify_rows, kernels,
-                                                    self.backend.fuse, EXACT_ROWS if numerics == "exact" else 0)
+                                                    self.backend.fuse, exact)
         self.grows_tree = isinstance(self.drafter, Eagle3Pass)  # its own tree (EAGLE-3), else build_tree's
         vocab = getattr(self.drafter, "draft_vocab", None)  # draft-logit column -> token id, or None
         self.draft_vocab = None if vocab is None else vocab.cpu().numpy()

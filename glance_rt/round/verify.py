@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from glance_rt.errors import GlanceError
 from glance_rt.models.drafter import GlanceDrafter, check_compatible
 from glance_rt.models.eagle3 import Eagle3Drafter, check_target
+from glance_rt.models.exact import ExactNumerics
 from glance_rt.models.kernels import PREFILL_ROWS, KernelPlan
 from glance_rt.models.target import TargetDecoder
 from glance_rt.round.commit import accept, accept_path, compact, entropies
@@ -376,7 +377,7 @@ def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
 
 
 def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], kernels, fuse: bool | None = None,
-                  exact_rows: int = 0):
+                  exact: ExactNumerics | None = None):
     """The modules a round runs, over `target`'s weights: (TargetDecoder with a `max_len`-row cache,
     the draft pass or None). A `GlanceDrafter` becomes a `DraftPass` (shared embeddings and lm_head);
     other drafter objects (the eager protocol) are used as they are. `kernels`: None (the plain
@@ -384,7 +385,7 @@ def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], k
     linear's kernel measured at the verify rows `verify_rows`, the draft block and prefill, then each
     pass checked whole against the plain one: `glance_rt.round.passcheck`). `fuse`: the plain
     weights' q, k, v and gate, up as one GEMM each (`TargetDecoder`); None: on a GPU, where a small
-    GEMM costs a launch (the CPU's kernels are chosen by timing instead). `exact_rows` > 0: exact numerics
+    GEMM costs a launch (the CPU's kernels are chosen by timing instead). `exact`: exact numerics
     in the verifier's decode passes (`glance_rt.models.exact`)."""
     if isinstance(drafter, GlanceDrafter):
         check_compatible(drafter.config, target)
@@ -402,7 +403,7 @@ def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], k
     if fuse is None:
         fuse = target.parts.lm_head.weight.is_cuda
     verifier = TargetDecoder(target.parts, max_len, layers, plan=plans[0], fuse=fuse and plans[0] is None,
-                             exact_rows=exact_rows)
+                             exact=exact)
     return verifier, drafter
 
 

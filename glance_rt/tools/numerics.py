@@ -64,17 +64,18 @@ def _path(parents: list[int], row: int) -> list[int]:
 
 @torch.inference_mode()
 def row_agreement(target, input_ids: list[int], tokens: list[int], parents: list[int], kernels=None,
-                  max_len: int = 256, numerics: str = "fast") -> list[RowCheck]:
+                  max_len: int = 256, numerics: str = "fast", static: bool = False) -> list[RowCheck]:
     """Verify rows against AR steps on `target` (text prompt `input_ids`; a tree of `tokens` with
     `parents`, row 0 the root at the position after the prompt). `kernels`: the target's linear kernels
     as `round_modules` takes them (None: the plain weights, torch's own GEMM); `numerics`: "fast" or
-    "exact" (`glance_rt.models.exact`)."""
-    from glance_rt.models.exact import EXACT_ROWS, check_numerics
+    "exact" (`glance_rt.models.exact`); `static`: every pass attends all `max_len` cache rows, as the
+    fixed-shape graphs do (exact numerics: `static_row_attention`)."""
+    from glance_rt.models.exact import ExactNumerics, check_numerics
     from glance_rt.round.verify import round_modules, text_positions
 
     t = len(tokens)
-    exact_rows = EXACT_ROWS if check_numerics(numerics) == "exact" else 0
-    verifier, _ = round_modules(target, None, max_len, (t, 1), kernels, fuse=False, exact_rows=exact_rows)
+    exact = ExactNumerics(static=static) if check_numerics(numerics) == "exact" else None
+    verifier, _ = round_modules(target, None, max_len, (t, 1), kernels, fuse=False, exact=exact)
     dev = verifier.embed_tokens.weight.device
     mrope = verifier.mrope
     p = len(input_ids)
@@ -82,8 +83,8 @@ def row_agreement(target, input_ids: list[int], tokens: list[int], parents: list
     def run(ids: list[int], start: int, positions: Tensor, mask: Tensor, prefill: bool = False) -> Tensor:
         embeds = verifier.embed_tokens(torch.tensor(ids, device=dev))[None]  # [1, n, H]
         pos = text_positions(positions.to(dev), 0, mrope)
-        logits, _ = verifier(embeds, pos, torch.tensor(start, device=dev), mask.to(dev), start + len(ids),
-                             prefill=prefill)
+        kv_len = max_len if static else start + len(ids)
+        logits, _ = verifier(embeds, pos, torch.tensor(start, device=dev), mask.to(dev), kv_len, prefill=prefill)
         return logits  # [n, V]
 
     run(input_ids, 0, torch.arange(p), torch.ones(p, p, dtype=torch.bool).tril(), prefill=True)
