@@ -214,8 +214,8 @@ def test_cli_audit_exact_in_bf16_checks_against_the_exact_ar(tmp_path):
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "llama"])
 def test_compiled_exact_glance_is_its_compiled_ar_and_never_recompiles(arch):
     """backend="compile" with exact numerics (attention gathered to the cache's fixed length): GLANCE in
-    bf16 commits the compiled exact AR's tokens, greedy and sampled, trees and lookup; new prompts add
-    no graph."""
+    bf16 commits the compiled exact AR's tokens, greedy and sampled, trees and lookup, rounds on the
+    device too (one graph per drafted round); new prompts add no graph."""
     from tests.test_passes import unique_graphs
 
     torch._dynamo.reset()
@@ -224,6 +224,7 @@ def test_compiled_exact_glance_is_its_compiled_ar_and_never_recompiles(arch):
     kw = {"max_length": 256, "backend": "compile", "chunk": 8, "numerics": "exact"}
     ar = glance_rt.Decoder(target, None, **kw)
     decs = [glance_rt.Decoder(target, drafter, gate=False, **kw, **cfg) for cfg in CONFIGS[:3]]
+    decs.append(glance_rt.Decoder(target, drafter, gate=False, tree_budget=8, lookup=0, device_round=True, **kw))
     for dec in (ar, *decs):
         dec.warmup()  # every graph compiled up front
     warm = unique_graphs()
