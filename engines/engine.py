@@ -23,6 +23,7 @@ from glance_rt.export.manifest import (
 )
 from glance_rt.hf.target import load_target
 from glance_rt.models.eagle3 import Eagle3Drafter, open_drafter
+from glance_rt.models.exact import ExactNumerics, check_numerics
 from glance_rt.models.kernels import PREFILL_ROWS, KernelTuner, cpu_model, machine
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
@@ -55,7 +56,7 @@ def _backend(name: str):
 def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chain: bool = False,
                  max_len: int = 1024, chunk: int = 64, target_source=None, drafter_source=None,
                  progress: bool = True, flavor: str | None = None, ort_include=None, image_sizes=(),
-                 tuner: KernelTuner | None = None, lookup_budget: int = 0) -> Path:
+                 tuner: KernelTuner | None = None, lookup_budget: int = 0, numerics: str = "fast") -> Path:
     """Build the static graphs of `target` (+ `drafter`) for `backend` into the folder `out`.
     An interrupted build resumes from its finished graphs; the manifest is written last.
     `flavor` (None: the backend's default, the first in FLAVORS): for aoti, "frozen" compiles the
@@ -68,7 +69,9 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     TreeAttention plugin runs the Triton kernel) and needs a target on a CUDA GPU. `image_sizes`
     (onnxruntime and tensorrt, VLM targets): (W, H) image buckets to build vision graphs for.
     `lookup_budget` > 0 adds the verify graph of lookup rounds of that many rows (the CLI adds the
-    default's, `default_lookup_budget`); `budgets` stay the tree budgets a load picks among."""
+    default's, `default_lookup_budget`); `budgets` stay the tree budgets a load picks among.
+    `numerics` "exact" (aoti only): the decode graphs in exact numerics (`glance_rt.models.exact`, the
+    static form), recorded in the manifest; a load runs them as a Decoder with numerics="exact"."""
     if backend not in FLAVORS:
         raise GlanceError(f"unknown engine backend {backend!r}: choose one of {', '.join(ENGINE_BACKENDS)}")
     if flavor is not None and flavor not in FLAVORS[backend]:
@@ -76,6 +79,9 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
         raise GlanceError(f"flavor {flavor!r} with backend {backend!r}: "
                           + (f"the {flavor!r} flavor is for {owner} engines; " if owner else "")
                           + f"{backend} takes {' or '.join(FLAVORS[backend])}")
+    if check_numerics(numerics) == "exact" and backend != "aoti":
+        raise GlanceError(f"exact numerics engines are built with --backend aoti; {backend} graphs carry the fast "
+                          "kernels only (the ONNX export of the row-gathered attention is not built)")
     impl = _backend(backend)
     image_sizes = [list(s) for s in image_sizes]
     if image_sizes and backend == "aoti":
@@ -87,10 +93,11 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     out = Path(out)
     config = {"backend": backend, "budgets": list(budgets), "tree_budgets": list(tree_budgets),
               "lookup_budget": lookup_budget or None, "chain": chain, "max_len": max_len, "chunk": chunk,
-              "flavor": flavor, "image_sizes": image_sizes}
+              "flavor": flavor, "image_sizes": image_sizes, "numerics": numerics}
     if (out / "manifest.json").exists():
         raise GlanceError(f"{out} already holds an engine: pick another --out, or delete it to rebuild")
-    graphs = static_graphs(target, drafter, max_len)  # the plain weights: they are what gets traced
+    exact = ExactNumerics(static=True) if numerics == "exact" else None
+    graphs = static_graphs(target, drafter, max_len, exact)  # the plain weights: they are what gets traced
     manifest = {"format": FORMAT, **config, "block_size": drafter.block_size if drafter is not None else 1,
                 "source": source(target, drafter), "versions": versions(), "eagle3": eagle3_shape(drafter),
                 "target_source": None if target_source is None else str(target_source),
@@ -106,7 +113,7 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     out.mkdir(parents=True, exist_ok=True)
     if not started.exists():
         keep = ("backend", "budgets", "lookup_budget", "chain", "max_len", "chunk", "flavor", "image_sizes", "source",
-                "versions")
+                "versions", "numerics")
         (out / "build.json.tmp").write_text(json.dumps({k: manifest[k] for k in keep}, indent=2))
         (out / "build.json.tmp").replace(started)
     if backend == "onnxruntime":
@@ -209,16 +216,21 @@ def engine_backend(path, m: dict) -> Backend:
 
 
 def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int | None = None, gate=None,
-                lookup_budget: int | None = None):
+                lookup_budget: int | None = None, numerics: str | None = None):
     """A `cls` (Decoder) whose passes run the engine in `path`. `tree_budget` None: the largest
     tree budget it was built for (not its lookup rounds' bucket). The draft gate (`gate` None: where
     it can run) needs the one-row verify graph that `--tree-budget 0` builds. Lookup rounds verify
     `lookup_budget` rows where the engine has that bucket (None: the rows it was built for, which
-    `build-engine` adds by default, or the default's; else the tree's budget)."""
+    `build-engine` adds by default, or the default's; else the tree's budget). `numerics`: what the
+    engine must have been built with (None: whatever it was)."""
     path = Path(path)
     m = read_manifest(path)
     if (warning := check_machine(path, m)) is not None:
         warnings.warn(warning, GlanceWarning, stacklevel=3)
+    built = m.get("numerics", "fast")
+    if numerics is not None and numerics != built:
+        raise GlanceError(f"engine {path} was built with {built} numerics, {numerics} asked: rebuild it with "
+                          f"`glance-rt build-engine{' --exact' if numerics == 'exact' else ''}` or ask for {built}")
     target, drafter = _load_sources(m, target, drafter)
     check_manifest(m, target, drafter, path)
     budgets = m["budgets"]
@@ -243,4 +255,4 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
             rows = max(asked)  # lookup rounds at the tree's shape
         lookup_budget = rows
     return cls(target, drafter, tree_budget=tree_budget, chain=m["chain"], max_length=m["max_len"],
-               backend=engine_backend(path, m), lookup=lookup, gate=gate, lookup_budget=lookup_budget)
+               backend=engine_backend(path, m), lookup=lookup, gate=gate, lookup_budget=lookup_budget, numerics=built)

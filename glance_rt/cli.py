@@ -239,6 +239,9 @@ def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> 
     same_engine = dec.backend.name in BACKENDS  # an engine is loaded with its drafter
     ar = Decoder(dec.target, None, max_length=dec.max_length, backend=dec.backend if same_engine else "eager",
                  numerics=dec.numerics)
+    if dec.numerics == "exact" and not same_engine:
+        click.echo("[glance-rt] note: an engine's exact numerics are its own; the eager AR it is compared with may "
+                   "differ at near ties (compare with an AR engine built with --no-drafter --exact)", err=True)
     click.echo(f"[glance-rt] warming up {_describe(ar)} ...", err=True)
     ar.warmup()
     start = time.perf_counter()
@@ -596,9 +599,11 @@ def _engine_decoder(method: Method, target_path, drafter_path):
                    "/usr/local/include/onnxruntime, /usr/include/onnxruntime, ...).")
 @DTYPE
 @DEVICE
+@click.option("--exact", is_flag=True, help="aoti: the decode graphs in exact numerics (verify rows with the AR "
+              "step's bits; `generate --engine` then runs them so).")
 @click.option("--out", required=True, type=click.Path(), help="Engine folder (resumes an interrupted build).")
 def build_engine(target_path, drafter_path, backend, budgets, chain, max_length, chunk, no_drafter, flavor,
-                 lookup_budget, image_sizes, ort_include, dtype, device, out):
+                 lookup_budget, image_sizes, ort_include, dtype, device, exact, out):
     """Compile the draft, verify and prefill passes of a target (+ drafter) into an engine folder."""
     from glance_rt.engines.engine import build_engine as build
 
@@ -609,7 +614,8 @@ def build_engine(target_path, drafter_path, backend, budgets, chain, max_length,
         start = time.perf_counter()
         build(target, drafter, out, backend=backend, budgets=budgets, chain=chain, max_len=max_length, chunk=chunk,
               target_source=target_path, drafter_source=drafter_path, flavor=flavor, ort_include=ort_include,
-              image_sizes=image_sizes, lookup_budget=_lookup_bucket(lookup_budget, drafter, chain))
+              image_sizes=image_sizes, lookup_budget=_lookup_bucket(lookup_budget, drafter, chain),
+              numerics="exact" if exact else "fast")
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"engine: {out} ({backend}, {time.perf_counter() - start:.0f} s)")

@@ -48,7 +48,8 @@ class Method:
     round). `lookup_budget`: rows a round whose lookup chain fills the tree verifies, the chain alone,
     no draft pass (None: `DEFAULT_LOOKUP_BUDGET` within the
     drafter's `max_depth`; `+lookup-L` in a name). `numerics`: "fast" or "exact" (`+exact` in a name:
-    verify rows computed bit for bit as AR steps, `glance_rt.models.exact`; eager and compiled passes)."""
+    verify rows computed bit for bit as AR steps, `glance_rt.models.exact`; eager and compiled passes,
+    and engines built with `build-engine --exact`)."""
 
     kind: str = "tree"
     tree_budget: int | None = DEFAULT_TREE_BUDGET
@@ -70,9 +71,6 @@ class Method:
                               "(built engines run with --engine DIR)")
         if self.numerics not in ("fast", "exact"):
             raise GlanceError(f"unknown numerics {self.numerics!r}: choose fast or exact")
-        if self.numerics == "exact" and self.engine is not None:
-            raise GlanceError(f"{self.name}: exact numerics run eager or compiled passes (@eager, @plain, @compile), "
-                              "not a built engine's graphs")
 
     @classmethod
     def parse(cls, text: str) -> "Method":

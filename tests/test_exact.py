@@ -235,3 +235,35 @@ def test_compiled_exact_glance_is_its_compiled_ar_and_never_recompiles(arch):
             for dec in decs:
                 assert dec.generate(max_new_tokens=NEW, sampling=s, **inputs).token_ids == want, (prompt, s)
     assert unique_graphs() == warm
+
+
+@pytest.mark.full
+def test_exact_aoti_engines_commit_their_ar_engines_tokens(tmp_path):
+    """`build_engine(..., numerics="exact")` (`build-engine --exact`): the manifest records it, a load
+    runs the Decoder in exact numerics, and in bf16 the GLANCE engine commits exactly the tokens of an AR
+    engine built the same way, greedy and sampled; another numerics asked, or an onnxruntime build, is
+    refused saying why."""
+    from glance_rt.engines.engine import build_engine
+    from glance_rt.method import Method
+
+    target, processor = loaded("llama", "bfloat16")
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=8, seed=2)
+    kw = {"max_len": 192, "chunk": 8, "progress": False, "flavor": "shared", "numerics": "exact"}
+    build_engine(target, drafter, tmp_path / "g", budgets=(0, 8), **kw)
+    build_engine(target, None, tmp_path / "a", budgets=(0,), **kw)
+    import json
+
+    assert json.loads((tmp_path / "g" / "manifest.json").read_text())["numerics"] == "exact"
+    dec = glance_rt.Decoder.from_engine(tmp_path / "g", target, drafter, gate=False, lookup=0)
+    ar = glance_rt.Decoder.from_engine(tmp_path / "a", target, None)
+    assert dec.numerics == ar.numerics == "exact" and dec.method_name == "tree-8+always+exact@aoti"
+    for prompt in ("Say something long about the sea.", "Hi"):
+        inputs = make_inputs("llama", processor, prompt=prompt, n_images=0)
+        for s in SAMPLINGS.values():
+            assert dec.generate(max_new_tokens=NEW, sampling=s, **inputs).token_ids == \
+                ar.generate(max_new_tokens=NEW, sampling=s, **inputs).token_ids, (prompt, s)
+    with pytest.raises(glance_rt.GlanceError, match="built with exact numerics, fast asked"):
+        glance_rt.Decoder.from_method(Method(engine=str(tmp_path / "g")), target, drafter)
+    with pytest.raises(glance_rt.GlanceError, match="exact numerics engines are built with --backend aoti"):
+        build_engine(target, drafter, tmp_path / "o", backend="onnxruntime", **{**kw, "flavor": None})
+    assert not (tmp_path / "o").exists()

@@ -184,9 +184,9 @@ class Decoder:
         if backend is None:
             backend = default_backend(target.device)
         self.backend = backend if isinstance(backend, Backend) else named_backend(backend, chunk)
-        if numerics == "exact" and self.backend.name not in ("eager", "compile"):
-            raise GlanceError(f"numerics='exact' runs eager or compiled passes; the {self.backend.name} engine's "
-                              "graphs were built with the fast kernels: use backend='eager' or 'compile'")
+        if numerics == "exact" and not isinstance(backend, Backend) and self.backend.name not in ("eager", "compile"):
+            raise GlanceError(f"numerics='exact' runs eager or compiled passes, or an engine built with --exact; "
+                              f"backend {self.backend.name!r} asked")
         if lookup is None:
             lookup = DEFAULT_LOOKUP if grafts_lookup(drafter, chain) else 0
         if lookup < 0 or (lookup and not grafts_lookup(drafter, chain)):
@@ -224,15 +224,17 @@ class Decoder:
 
     @classmethod
     def from_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int | None = None,
-                    gate: "bool | GateConfig | None" = None, lookup_budget: int | None = None) -> "Decoder":
+                    gate: "bool | GateConfig | None" = None, lookup_budget: int | None = None,
+                    numerics: str | None = None) -> "Decoder":
         """A Decoder that runs the engine built in `path` (`glance-rt build-engine`). `target` and
         `drafter` default to the ones the engine was built from (any other must match its manifest);
         `tree_budget` defaults to its largest budget bucket, or pass an int or AdaptiveBudget over its
         buckets; `lookup` as in `Decoder` (a host-side choice of tree rows: any engine runs it);
         `gate` as in `Decoder` (it needs the one-row verify graph of `--tree-budget 0`); `lookup_budget`
         as in `Decoder` where the engine has that budget bucket (None: the default where it has it, else
-        the tree's budget)."""
-        return load_engine(cls, path, target, drafter, tree_budget, lookup, gate, lookup_budget)
+        the tree's budget). The engine's manifest says its numerics (`build-engine --exact`); `numerics`,
+        if given, must be it."""
+        return load_engine(cls, path, target, drafter, tree_budget, lookup, gate, lookup_budget, numerics)
 
     @classmethod
     def from_method(cls, method: Method, target, drafter=None, max_length: int | None = None,
@@ -250,7 +252,8 @@ class Decoder:
                               f"eagle3-{method.tree_budget})")
         if method.engine is not None:
             return cls.from_engine(method.engine, target, drafter, tree_budget=method.tree_budget, lookup=method.lookup,
-                                   gate=None if method.gate else False, lookup_budget=method.lookup_budget)
+                                   gate=None if method.gate else False, lookup_budget=method.lookup_budget,
+                                   numerics=method.numerics)
         if method.kind == "adaptive" and policy is None:
             raise GlanceError("an adaptive method needs its calibrated AdaptiveBudget (glance_rt.round.adaptive)")
         plain = method.backend == "plain"  # eager with the HF modules' own linear layers

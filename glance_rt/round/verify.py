@@ -416,10 +416,10 @@ def kernel_plans(kernels, verify_rows: tuple[int, ...], block: int) -> tuple:
     return verify, KernelPlan(block, (block, PREFILL_ROWS), tuner)
 
 
-def static_graphs(target, drafter, max_len: int) -> StaticGraphs:
+def static_graphs(target, drafter, max_len: int, exact: ExactNumerics | None = None) -> StaticGraphs:
     """The fixed-shape graphs of `target` (+ a GlanceDrafter or an EAGLE-3 head) over the plain weights:
-    what engine builders trace."""
-    return StaticGraphs(*round_modules(target, drafter, max_len, (1,), None))
+    what engine builders trace (`exact`: the decode passes in exact numerics, static form)."""
+    return StaticGraphs(*round_modules(target, drafter, max_len, (1,), None, exact=exact))
 
 
 @dataclass(frozen=True)
