@@ -263,6 +263,9 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
             skipped[adaptive] = str(e)
             log(f"[bench] skipping {adaptive}: {e}")
     first = list(dict.fromkeys(r for r in refs.values() if r in runners))
+    for m in runners:
+        if (r := reference_method(cfg, m, target.dtype)) not in runners and not m.startswith("hf"):
+            log(f"[bench] {m}: not checked (its reference {r} is not among --methods)")
     order = first + [m for m in runners if m not in first]
     records, mismatches, partial = [], [], False
     bar = tqdm(total=len(rows) * len(order), desc="bench", disable=not progress, dynamic_ncols=True)
@@ -277,8 +280,9 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
                 ids, seconds, ttft, stats = runners[m](inputs)
                 if m in first:
                     reference[m] = ids
-                ref = refs.get(m, refs.get(m.partition("@")[0], "hf"))
-                ok = None if m.startswith("hf") and ref != "hf" else ids == reference[ref]
+                ref = reference_method(cfg, m, target.dtype)  # (an --engine method's too: by its name)
+                comparable = ref in reference and not (m.startswith("hf") and ref != "hf")
+                ok = ids == reference[ref] if comparable else None
                 if ok is False:
                     mismatches.append({"prompt": row["id"], "method": m})
                     log(f"[bench] !!! MISMATCH: {m} differs from {REFERENCE_NAMES[ref]} on prompt {row['id']} !!!")
