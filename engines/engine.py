@@ -22,8 +22,9 @@ from glance_rt.export.manifest import (
     write_manifest,
 )
 from glance_rt.hf.target import load_target
+from glance_rt.method import check_numerics
 from glance_rt.models.eagle3 import Eagle3Drafter, open_drafter
-from glance_rt.models.exact import ExactNumerics, check_numerics
+from glance_rt.models.exact import ExactNumerics
 from glance_rt.models.kernels import PREFILL_ROWS, KernelTuner, cpu_model, machine
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget

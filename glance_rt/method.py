@@ -21,6 +21,14 @@ DEFAULT_MAX_LENGTH = 2048  # a Decoder's static cache rows when nothing sizes it
 MAX_SCRATCH_BLOCK = 64  # a round's scratch holds the drafter's block: at most MAX_BLOCK_SIZE rows
 KINDS = ("ar", "chain", "tree", "adaptive", "eagle3")
 BACKENDS = ("eager", "compile", "plain")  # plain: eager with the HF modules' own linear layers (no prepacking)
+NUMERICS = ("fast", "exact")  # exact: verify rows with the AR step's bits (glance_rt.models.exact)
+
+
+def check_numerics(numerics: str) -> str:
+    """`numerics` if it is one of `NUMERICS`, else the error saying which are."""
+    if numerics not in NUMERICS:
+        raise GlanceError(f"unknown numerics {numerics!r}: choose {' or '.join(NUMERICS)}")
+    return numerics
 
 
 def default_backend(device) -> str:
@@ -69,8 +77,7 @@ class Method:
         if self.backend is not None and self.backend not in BACKENDS:
             raise GlanceError(f"unknown backend {self.backend!r}: choose one of {', '.join(BACKENDS)} "
                               "(built engines run with --engine DIR)")
-        if self.numerics not in ("fast", "exact"):
-            raise GlanceError(f"unknown numerics {self.numerics!r}: choose fast or exact")
+        check_numerics(self.numerics)
 
     @classmethod
     def parse(cls, text: str) -> "Method":

@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-NUMERICS = ("fast", "exact")
 EXACT_ROWS = 8  # rows of every GEMM of an exact decode pass
 
 
@@ -51,14 +50,6 @@ class ExactNumerics:
     @property
     def attention(self):
         return static_row_attention if self.static else row_attention
-
-
-def check_numerics(numerics: str) -> str:
-    from glance_rt.errors import GlanceError
-
-    if numerics not in NUMERICS:
-        raise GlanceError(f"unknown numerics {numerics!r}: choose {' or '.join(NUMERICS)}")
-    return numerics
 
 
 class RowBlockLinear(nn.Module):

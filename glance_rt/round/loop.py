@@ -14,9 +14,16 @@ from torch import Tensor
 
 from glance_rt.engines.engine import load_engine
 from glance_rt.errors import GlanceError
-from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_MAX_LENGTH, DEFAULT_TREE_BUDGET, Method, default_backend
+from glance_rt.method import (
+    DEFAULT_LOOKUP,
+    DEFAULT_MAX_LENGTH,
+    DEFAULT_TREE_BUDGET,
+    Method,
+    check_numerics,
+    default_backend,
+)
 from glance_rt.models.eagle3 import Eagle3Drafter
-from glance_rt.models.exact import ExactNumerics, check_numerics
+from glance_rt.models.exact import ExactNumerics
 from glance_rt.models.kernels import KernelTuner, kernel_summary
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget

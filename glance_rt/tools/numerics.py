@@ -70,7 +70,8 @@ def row_agreement(target, input_ids: list[int], tokens: list[int], parents: list
     as `round_modules` takes them (None: the plain weights, torch's own GEMM); `numerics`: "fast" or
     "exact" (`glance_rt.models.exact`); `static`: every pass attends all `max_len` cache rows, as the
     fixed-shape graphs do (exact numerics: `static_row_attention`)."""
-    from glance_rt.models.exact import ExactNumerics, check_numerics
+    from glance_rt.method import check_numerics
+    from glance_rt.models.exact import ExactNumerics
     from glance_rt.round.verify import round_modules, text_positions
 
     t = len(tokens)
