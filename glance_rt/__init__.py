@@ -18,6 +18,7 @@ _LAZY = {
     "load_eagle3": "glance_rt.models.eagle3",
     "Decoder": "glance_rt.round.loop",
     "GenerateResult": "glance_rt.round.loop",
+    "Batch": "glance_rt.round.batch",
     "Stats": "glance_rt.round.loop",
     "Method": "glance_rt.method",
     "Sampling": "glance_rt.round.sample",

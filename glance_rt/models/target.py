@@ -11,6 +11,8 @@ stacks share the norms, the rotary table and each kernel's weight layout) and ea
 stack of its row count.
 """
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
@@ -40,6 +42,21 @@ def linear_for(plan: KernelPlan | None, module: nn.Module, rows: int, exact: Exa
     return with_plan(plan, module, rows)
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's rows in a pass: `length` rows from row `offset` of the pass, written at cache rows
+    `rows` [length] (`start + arange(length)`) of cache slot `slot`; they see that slot's committed prefix
+    [0, rows[0]) and each other where `tree_mask` [length, length]; attention reads slot rows
+    [0, kv_len)."""
+
+    slot: int
+    offset: int
+    length: int
+    rows: Tensor  # [length] int64
+    tree_mask: Tensor  # [length, length] bool
+    kv_len: int
+
+
 class Attention(nn.Module):
     """`exact`: exact numerics (`glance_rt.models.exact`), linear layers in GEMMs of a fixed row count and
     attention row by row."""
@@ -59,7 +76,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = float(getattr(hf_attn, "scaling", head_dim**-0.5))
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, rows: Tensor, kv_len: int, tree_mask):
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, segments: "tuple[Segment, ...]"):
         t = x.shape[1]
         q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q = q.view(1, t, self.n_heads, self.head_dim)  # [1, T, H, D]
@@ -69,10 +86,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, H, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(layer, rows, k, v)
-        k_all, v_all = cache.read(layer, kv_len)  # [1, KVH, L, D]
-        out = self.attend(q, k_all, v_all, tree_mask, rows[0], self.scale)  # [1, H, T, D]
+        outs = [self._attend_segment(s, q, k, v, cache, layer) for s in segments]  # each sequence's own cache
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)  # [1, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(1, t, self.n_heads * self.head_dim))
+
+    def _attend_segment(self, s: "Segment", q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int) -> Tensor:
+        """One sequence's rows of q, k, v [1, H, T, D] (all of them when it is the only one): its k, v into
+        its cache slot, its queries over that slot -> [1, H, s.length, D]."""
+        if s.length != q.shape[2]:
+            q, k, v = (x.narrow(2, s.offset, s.length) for x in (q, k, v))
+        cache.write(layer, s.rows, k, v, s.slot)
+        k_all, v_all = cache.read(layer, s.kv_len, s.slot)  # [1, KVH, L, D]
+        return self.attend(q, k_all, v_all, s.tree_mask, s.rows[0], self.scale)
 
 
 class MLP(nn.Module):
@@ -109,8 +134,8 @@ class Block(nn.Module):
         ours = (plan is not None or fuse or exact is not None) and gated
         self.mlp = MLP(mlp, plan, rows, fuse, exact) if ours else mlp
 
-    def forward(self, h, cos, sin, cache, layer, rows, kv_len, tree_mask):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, rows, kv_len, tree_mask)
+    def forward(self, h, cos, sin, cache, layer, segments):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, segments)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -129,10 +154,12 @@ class TargetDecoder(nn.Module):
     views of one buffer per group, no second copy). `exact`: exact numerics
     (`glance_rt.models.exact`): every call but a prefill (`prefill=True`) runs `exact_stack` and
     `exact_head`, whose rows each get the bits a one-row call gives them; prefill keeps the plan's.
+    `slots`: sequences the cache holds at once (`KVCache`); `forward` runs one (`slot`), `forward_batch`
+    several in one pass.
     """
 
     def __init__(self, parts, max_len: int, feature_layers: tuple[int, ...] = (), plan: KernelPlan | None = None,
-                 fuse: bool = False, exact: ExactNumerics | None = None):
+                 fuse: bool = False, exact: ExactNumerics | None = None, slots: int = 1):
         super().__init__()
         cfg = parts.text_config
         tm = parts.text_model
@@ -154,7 +181,7 @@ class TargetDecoder(nn.Module):
         self.feature_layers = tuple(feature_layers)
         self.mrope = bool(parts.mrope)  # positions are [3, 1, T] (M-RoPE), else [1, T]
         w = self.embed_tokens.weight
-        self.cache = KVCache(len(tm.layers), n_kv, max_len, head_dim, w.dtype, w.device)
+        self.cache = KVCache(len(tm.layers), n_kv, max_len, head_dim, w.dtype, w.device, slots)
 
     def kernel_modules(self) -> dict[int, list[nn.Module]]:
         """{row class: the modules that run at it} (`glance_rt.models.kernels.kernel_summary`); with exact
@@ -173,14 +200,27 @@ class TargetDecoder(nn.Module):
         kv_len: int,
         logit_rows: Tensor | None = None,  # [k] int64: rows to compute logits for (default all)
         prefill: bool = False,  # the prompt's pass (exact numerics: the fast kernels, shared by every decode)
+        slot: int = 0,  # the cache slot of the sequence (`KVCache`)
     ) -> tuple[Tensor, Tensor]:
+        t = embeds.shape[1]
+        rows = start + torch.arange(t, device=embeds.device)  # [T]
+        return self.run(embeds, positions, (Segment(slot, 0, t, rows, tree_mask, kv_len),), logit_rows, prefill)
+
+    def forward_batch(self, embeds: Tensor, positions: Tensor, segments: tuple[Segment, ...]) -> tuple[Tensor, Tensor]:
+        """Several sequences' rows in one pass (`glance_rt.round.batch`): embeds [1, T, H] and positions
+        [1, T] / [3, 1, T] are the segments' rows concatenated in order; every linear layer runs once over
+        all T rows, attention per segment over its own cache slot (block-diagonal: no row sees another
+        sequence's). -> logits [T, V], features [T, F]."""
+        return self.run(embeds, positions, segments)
+
+    def run(self, embeds: Tensor, positions: Tensor, segments: tuple[Segment, ...], logit_rows: Tensor | None = None,
+            prefill: bool = False) -> tuple[Tensor, Tensor]:
         cos, sin = self.rotary_emb(embeds, positions)  # [1, T, D]
-        rows = start + torch.arange(embeds.shape[1], device=embeds.device)  # [T]
         h, feats = embeds, {}
         exact = self.exact_stack is not None and not prefill
         layers = self.exact_stack if exact else self.stacks[class_index(embeds.shape[1], self.row_classes)]  # (static)
         for i, layer in enumerate(layers):
-            h = layer(h, cos, sin, self.cache, i, rows, kv_len, tree_mask)
+            h = layer(h, cos, sin, self.cache, i, segments)
             if i in self.feature_layers:
                 feats[i] = h
         last = len(layers) - 1

@@ -50,12 +50,12 @@ def apply_stops(tokens: list[int], produced: int, max_new_tokens: int, eos_ids: 
     return kept, produced + len(kept) >= max_new_tokens
 
 
-def compact(cache, path: list[int], start: int) -> None:
-    """Move the accepted rows' KV (root included) from scratch rows `start + path` to
+def compact(cache, path: list[int], start: int, slot: int = 0) -> None:
+    """Move the accepted rows' KV (root included) from scratch rows `start + path` of `slot` to
     `[start, start + len(path))`. Rejected rows are left to be overwritten."""
     if path != list(range(len(path))):
         src = torch.tensor([start + i for i in path], device=cache.k0.device)
-        cache.move_rows(src, start)
+        cache.move_rows(src, start, slot)
 
 
 def accept_path(parent, tokens, greedy, depth: int):

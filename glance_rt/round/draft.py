@@ -24,12 +24,13 @@ from glance_rt.models.linear import swap_linears
 
 class DraftPass(nn.Module):
     """Runs a `GlanceDrafter` against a target's shared embeddings and lm_head, with a static
-    context cache of `max_len` rows. Call: `(ctx_feats [m, F], ctx_start, bonus, block_start)`
-    -> draft logits [B-1, V] for depths 1..B-1 (column j is token `draft_vocab[j]` when the drafter
-    has a draft vocabulary, else token j). Requires `ctx_start + m == block_start`."""
+    context cache of `max_len` rows (for `slots` sequences: `forward_batch`). Call:
+    `(ctx_feats [m, F], ctx_start, bonus, block_start)` -> draft logits [B-1, V] for depths 1..B-1
+    (column j is token `draft_vocab[j]` when the drafter has a draft vocabulary, else token j).
+    Requires `ctx_start + m == block_start`."""
 
     def __init__(self, drafter: GlanceDrafter, embed_tokens: nn.Module, lm_head: nn.Module, max_len: int,
-                 plan: KernelPlan | None = None):
+                 plan: KernelPlan | None = None, slots: int = 1):
         super().__init__()
         c = drafter.config
         # with a plan, one drafter per row class whose linear layers run the plan's kernels at that class
@@ -43,7 +44,8 @@ class DraftPass(nn.Module):
         drafter = self.drafter
         self.target_layer_ids = c.target_layer_ids
         w = drafter.hidden_norm.weight  # (fc may be prepacked: no .weight)
-        self.cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device)
+        self.cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device,
+                             slots)
         inv_freq, self.rope_scaling = rope(c)  # [D/2], the RoPE type's attention scaling (a constant)
         self.register_buffer("inv_freq", inv_freq.to(w.device), persistent=False)
         ids = torch.full((c.block_size,), c.mask_token_id if c.mask_token_id is not None else 0)
@@ -82,45 +84,86 @@ class DraftPass(nn.Module):
             x = torch.cat([x[:, :1], self.drafter.mask_embedding.expand(1, self.block_size - 1, -1)], 1)
         return x
 
-    def context(self, ctx_feats: Tensor, ctx_start: Tensor) -> None:
+    def context(self, ctx_feats: Tensor, ctx_start: Tensor, slot: int = 0) -> None:
         """Project context rows ctx_feats [m, F] (target features) into every layer's cache rows
-        [ctx_start, ctx_start + m)."""
-        d = self.drafters[class_index(ctx_feats.shape[0], self.row_classes)]
-        ctx = d.context(ctx_feats)[None]  # [1, m, H]
-        rows = ctx_start + torch.arange(ctx.shape[1], device=ctx.device)  # [m]
-        cos, sin = rope_tables(self.inv_freq, rows, ctx.dtype, self.rope_scaling)  # [1, m, D]
-        for i in range(len(d.layers)):
-            self.cache.write(i, rows, *d.context_kv(i, ctx, cos, sin))  # k, v [1, nkv, m, D]
+        [ctx_start, ctx_start + m) of cache slot `slot`."""
+        self.contexts(((slot, ctx_feats, ctx_start),))
 
-    def block(self, bonus: Tensor, block_start: Tensor, kv_len: int) -> Tensor:
-        """The block [bonus, M, ..., M] at rows [block_start, block_start + B), seeing the context
-        rows before it -> draft logits [B-1, V]."""
-        h = self.block_embeds(bonus)  # [1, B, H]
-        rows = block_start + torch.arange(self.block_size, device=h.device)  # [B]
-        cos, sin = rope_tables(self.inv_freq, rows, h.dtype, self.rope_scaling)  # [1, B, D]
-        scale = self.drafter.config.head_dim**-0.5
+    def contexts(self, items: tuple) -> None:
+        """`context` for several sequences in one pass: items ((slot, ctx_feats [m_i, F], ctx_start []), ...),
+        their rows projected together, each written to its own slot."""
+        feats = _cat([f for _, f, _ in items], 0)  # [m, F]
+        d = self.drafters[class_index(feats.shape[0], self.row_classes)]
+        ctx = d.context(feats)[None]  # [1, m, H]
+        rows = [start + torch.arange(f.shape[0], device=ctx.device) for _, f, start in items]  # [m_i] each
+        cos, sin = rope_tables(self.inv_freq, _cat(rows, 0), ctx.dtype, self.rope_scaling)  # [1, m, D]
+        for i in range(len(d.layers)):
+            k, v = d.context_kv(i, ctx, cos, sin)  # [1, nkv, m, D]
+            for (slot, _, _), r, (k_i, v_i) in zip(items, rows, _split((k, v), [len(r) for r in rows]), strict=True):
+                self.cache.write(i, r, k_i, v_i, slot)
+
+    def block(self, bonus: Tensor, block_start: Tensor, kv_len: int, slot: int = 0) -> Tensor:
+        """The block [bonus, M, ..., M] at rows [block_start, block_start + B) of cache slot `slot`, seeing
+        the context rows before it -> draft logits [B-1, V]."""
+        return self.blocks(((slot, bonus, block_start, kv_len),))[0]
+
+    def blocks(self, items: tuple) -> list[Tensor]:
+        """`block` for several sequences in one pass: items ((slot, bonus [], block_start [], kv_len), ...);
+        every linear layer runs over all their rows, attention per sequence over its own slot -> each
+        one's draft logits [B-1, V]."""
+        b = self.block_size
+        h = _cat([self.block_embeds(bonus) for _, bonus, _, _ in items], 1)  # [1, n*B, H]
+        rows = [start + torch.arange(b, device=h.device) for _, _, start, _ in items]  # [B] each
+        cos, sin = rope_tables(self.inv_freq, _cat(rows, 0), h.dtype, self.rope_scaling)  # [1, n*B, D]
+        d = self.drafter if len(items) == 1 else self.drafters[class_index(h.shape[1], self.row_classes)]
+        scale = d.config.head_dim**-0.5
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # the block's rows join the cache
-            self.cache.write(i, rows, k, v)
-            k_all, v_all = self.cache.read(i, kv_len)  # [1, nkv, L, D]
-            return attend_tree(q, k_all, v_all, self.block_mask, block_start, scale)
+            out = []
+            for (slot, _, start, kv_len), r, (q_i, k_i, v_i) in zip(items, rows, _split((q, k, v), [b] * len(items)),
+                                                                   strict=True):
+                self.cache.write(i, r, k_i, v_i, slot)
+                k_all, v_all = self.cache.read(i, kv_len, slot)  # [1, nkv, L, D]
+                out.append(attend_tree(q_i, k_all, v_all, self.block_mask, start, scale))
+            return _cat(out, 2)  # [1, nh, n*B, D]
 
         # all B rows through the head, then drop row 0 (a GEMM of B rows is the faster shape);
         # draft numerics never affect the output, only acceptance
-        return self.head(self.drafter(h, cos, sin, attend))[0, 1:]  # [B-1, V or Vd]
+        logits = self.head(d(h, cos, sin, attend))[0]  # [n*B, V or Vd]
+        return [logits[j * b + 1 : (j + 1) * b] for j in range(len(items))]  # [B-1, V] each
 
     def step(self, ctx_feats: Tensor, ctx_start: Tensor, bonus: Tensor, block_start: Tensor, kv_len: int) -> Tensor:
         self.context(ctx_feats, ctx_start)
         return self.block(bonus, block_start, kv_len)
 
-    def forward(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int) -> Tensor:
-        assert ctx_start + ctx_feats.shape[0] == block_start, "context rows must end where the block starts"
+    def forward(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int, slot: int = 0) -> Tensor:
+        return self.forward_batch(((slot, ctx_feats, ctx_start, bonus, block_start),))[0]
+
+    def forward_batch(self, items: tuple) -> list[Tensor]:
+        """Eager draft passes of several sequences as one: items ((slot, ctx_feats [m, F], ctx_start, bonus,
+        block_start), ...) with Python ints -> each one's draft logits [B-1, V]."""
         dev = self.block_ids.device
 
         def t(x: int) -> Tensor:
             return torch.tensor(x, device=dev)
 
-        return self.step(ctx_feats, t(ctx_start), t(bonus), t(block_start), block_start + self.block_size)
+        for _, feats, ctx_start, _, block_start in items:
+            assert ctx_start + feats.shape[0] == block_start, "context rows must end where the block starts"
+        self.contexts(tuple((slot, feats, t(ctx_start)) for slot, feats, ctx_start, _, _ in items))
+        return self.blocks(tuple((slot, t(bonus), t(start), start + self.block_size)
+                                 for slot, _, _, bonus, start in items))
+
+
+def _cat(xs: list[Tensor], dim: int) -> Tensor:
+    return xs[0] if len(xs) == 1 else torch.cat(xs, dim)
+
+
+def _split(xs: tuple[Tensor, ...], lengths: list[int]):
+    """Cut each of xs [1, h, n, D] along its rows into pieces of `lengths` -> one tuple of pieces per length
+    (the tensors whole when there is one piece)."""
+    if len(lengths) == 1:
+        return [xs]
+    return list(zip(*(x.split(lengths, 2) for x in xs), strict=True))
 
 
 def planned(drafter: nn.Module, plan: KernelPlan, rows: int) -> nn.Module:

@@ -28,6 +28,7 @@ from glance_rt.models.kernels import KernelTuner, kernel_summary
 from glance_rt.models.linear import can_pack
 from glance_rt.round.adaptive import AdaptiveBudget
 from glance_rt.round.commit import apply_stops, committed_tokens, entropies
+from glance_rt.round.draft import DraftPass
 from glance_rt.round.eagle3 import Eagle3Pass
 from glance_rt.round.gate import DraftGate, GateConfig
 from glance_rt.round.sample import GREEDY, Chooser, Sampling, stop_criteria, walk
@@ -78,6 +79,14 @@ class Stats:
         """Tokens committed per tree round (per round where none had a tree): what drafter and lookup achieve."""
         lengths = [self.accepted_lengths[i] for i in self.drafted]
         return sum(lengths) / max(len(lengths), 1)
+
+
+@dataclass(frozen=True)
+class Call:
+    """A pass a sequence asks for (`Decoder.sequence`): the passes' method `name` with `args`."""
+
+    name: str  # prefill, draft, verify, commit, draft_tree or round
+    args: tuple
 
 
 @dataclass
@@ -168,14 +177,21 @@ class Decoder:
     GEMMs of a fixed row count, attention row by row over each row's own visible cache rows), so the
     tokens equal this engine's own autoregressive tokens in every dtype (bf16 and fp16 included), not
     only up to near ties. Eager and compiled passes (a built engine's graphs are refused).
+
+    `max_batch`: sequences the caches hold at once (one slot each, `max_length` rows a slot), decoded
+    together by a `glance_rt.round.batch.Batch` (one draft pass and one verify pass a round for all of
+    them; eager backend, a GLANCE drafter or none). `generate`, `rounds` and `stream` use slot 0.
     """
 
     def __init__(self, target, drafter=None, tree_budget: "int | AdaptiveBudget | None" = None, chain: bool = False,
                  max_length: int = DEFAULT_MAX_LENGTH, backend: "str | Backend | None" = None, chunk: int = 64,
                  lookup: int | None = None, prepack: "bool | str | KernelTuner" = "auto",
                  gate: "bool | GateConfig | None" = None, lookup_budget: int | None = None,
-                 device_round: bool | None = None, numerics: str = "fast"):
+                 device_round: bool | None = None, numerics: str = "fast", max_batch: int = 1):
         self.numerics = check_numerics(numerics)
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise GlanceError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        self.max_batch = max_batch
         self.policy = tree_budget if isinstance(tree_budget, AdaptiveBudget) else None
         if self.policy is not None:
             if chain:
@@ -218,8 +234,12 @@ class Decoder:
         verify_rows = tuple(b + 1 for b in self.budgets)
         exact = ExactNumerics(static=self.backend.name != "eager") if numerics == "exact" else None
         self.verifier, self.drafter = round_modules(target, drafter, max_length, verify_rows, kernels,
-                                                    self.backend.fuse, exact)
+                                                    self.backend.fuse, exact, max_batch)
         self.grows_tree = isinstance(self.drafter, Eagle3Pass)  # its own tree (EAGLE-3), else build_tree's
+        if max_batch > 1 and (self.backend.name != "eager" or not isinstance(self.drafter, (DraftPass, type(None)))):
+            raise GlanceError(f"max_batch={max_batch}: batched rounds run the eager backend over a GLANCE drafter or "
+                              "none (compiled graphs, engines, EAGLE-3 heads and other drafter objects decode one "
+                              "sequence at a time: use max_batch=1)")
         vocab = getattr(self.drafter, "draft_vocab", None)  # draft-logit column -> token id, or None
         self.draft_vocab = None if vocab is None else vocab.cpu().numpy()
         self.mrope = self.verifier.mrope
@@ -360,6 +380,27 @@ class Decoder:
     @torch.inference_mode()
     def rounds(self, max_new_tokens: int, stats: Stats, sampling: Sampling = GREEDY, **inputs):
         """Yield the committed tokens of each round (after stop rules)."""
+        seq = self.sequence(max_new_tokens, stats, sampling, inputs, self.gate)
+        try:
+            out = None
+            while True:
+                try:
+                    item = seq.send(out)
+                except StopIteration:
+                    return
+                if type(item) is Call:  # a pass: run it now (a Batch runs several sequences' together)
+                    out = getattr(self.passes, item.name)(*item.args)
+                else:
+                    out = None
+                    yield item
+        finally:
+            seq.close()
+
+    def sequence(self, max_new_tokens: int, stats: Stats, sampling: Sampling, inputs: dict, gate: DraftGate | None):
+        """One sequence's decoding as a coroutine: it yields a `Call` for every pass it needs (and is sent
+        the pass's result) and a list of the committed tokens after each round (after stop rules).
+        `rounds` runs the calls one by one; `glance_rt.round.batch.Batch` runs several sequences' draft
+        and verify calls as one pass each. `gate`: this sequence's DraftGate (None: draft every round)."""
         if max_new_tokens < 1:
             raise GlanceError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if not isinstance(sampling, Sampling):
@@ -383,7 +424,7 @@ class Decoder:
             )
         dev = self.target.device
         positions = pre.positions[:, None] if self.mrope else pre.positions[None]  # [3, 1, P] or [1, P]
-        logits, feats = self.passes.prefill(pre.embeds[None].to(self.target.dtype), positions.to(dev))  # [V]
+        logits, feats = yield Call("prefill", (pre.embeds[None].to(self.target.dtype), positions.to(dev)))  # [V]
         first = int(logits.argmax()) if chooser is None else chooser.choose(logits, ids, ids.numel())
         prior = entropy(logits)
         clock.lap("prefill")
@@ -392,8 +433,8 @@ class Decoder:
         ids = torch.cat([ids, torch.tensor(kept, dtype=torch.long)])
         yield kept
         n, bonus, ctx_feats, ctx_start = p + 1, first, feats, 0
-        if self.gate is not None:
-            self.gate.start()
+        if gate is not None:
+            gate.start()
         while not done:
             round_start = time.perf_counter()
             block_start = n - 1
@@ -406,12 +447,12 @@ class Decoder:
             # (lookup > 0 only on a drafter's trees: chains and autoregression never match)
             looked_up = fills_budget(self.block, budget, (ngram, chain))
             drafted = self.drafter is not None and not looked_up
-            if drafted and self.gate is not None:  # a round drafts once pending_rows context rows wait
-                drafted = self.gate.draft(prior, ngram, must=ctx_feats.shape[0] >= self.pending_rows)
+            if drafted and gate is not None:  # a round drafts once pending_rows context rows wait
+                drafted = gate.draft(prior, ngram, must=ctx_feats.shape[0] >= self.pending_rows)
             on_device = drafted and self.device_round and chooser is None
             if on_device:  # draft, tree, verify, acceptance and compaction: one graph, one copy back
-                result = self.passes.round(ctx_feats, ctx_start, bonus, block_start, pre.rope_delta, budget,
-                                           self.chain, (ngram, chain))
+                result = yield Call("round", (ctx_feats, ctx_start, bonus, block_start, pre.rope_delta, budget,
+                                              self.chain, (ngram, chain)))
                 path, run, accepted = result.path, result.run, result.feats
                 root_entropy, end_entropy = result.root_entropy, result.end_entropy
                 stats.draft_passes += 1
@@ -424,14 +465,14 @@ class Decoder:
                     stats.lookup_rounds += 1
                 elif drafted and self.grows_tree:  # EAGLE-3: a draft pass per depth grows the tree
                     ctx_tokens = ids[ctx_start + 1 : block_start + 1].to(dev)  # each context row's next token
-                    tree, passes = self.passes.draft_tree(ctx_feats, ctx_tokens, ctx_start, bonus, block_start,
-                                                          budget, self.chain)
+                    tree, passes = yield Call("draft_tree", (ctx_feats, ctx_tokens, ctx_start, bonus, block_start,
+                                                             budget, self.chain))
                     stats.draft_passes += passes
                     clock.lap("draft")
                 else:
                     draft_logits = None
                     if drafted:
-                        draft_logits = self.passes.draft(ctx_feats, ctx_start, bonus, block_start)  # [B-1, V]
+                        draft_logits = yield Call("draft", (ctx_feats, ctx_start, bonus, block_start))  # [B-1, V]
                         stats.draft_passes += 1
                         clock.lap("draft")
                     else:
@@ -442,7 +483,7 @@ class Decoder:
                 index = torch.from_numpy(tree.depth).to(dev) + block_start
                 clock.lap("tree")
                 positions = text_positions(index, pre.rope_delta, self.mrope)
-                logits, feats, greedy, path = self.passes.verify(tree, tokens, positions, block_start, mask)  # [N+1]
+                logits, feats, greedy, path = yield Call("verify", (tree, tokens, positions, block_start, mask))
                 if chooser is None:
                     run = committed_tokens(tree, greedy, path)
                 else:  # the target's own choice at each row decides the walk (lossless for sampling)
@@ -461,7 +502,7 @@ class Decoder:
             round_prior, prior = prior, end_entropy
             if not done:
                 if not on_device:  # (a device round compacted its rows and gathered their features in its graph)
-                    self.passes.commit(path, block_start)
+                    yield Call("commit", (path, block_start))
                     accepted = feats if self.drafter is None else feats[torch.tensor(path, device=dev)]
                 if self.drafter is None:
                     ctx_feats = accepted
@@ -472,8 +513,8 @@ class Decoder:
             clock.lap("commit")
             seconds = time.perf_counter() - round_start
             stats.round_seconds.append(seconds)
-            if self.gate is not None and not looked_up:  # the gate weighs drafted rounds against AR steps
-                self.gate.record(drafted, round_prior, ngram, len(run), seconds)
+            if gate is not None and not looked_up:  # the gate weighs drafted rounds against AR steps
+                gate.record(drafted, round_prior, ngram, len(run), seconds)
             yield kept
 
     def generate(self, max_new_tokens: int = 128, sampling: Sampling = GREEDY, **inputs) -> GenerateResult:

@@ -26,7 +26,7 @@ from glance_rt.models.drafter import GlanceDrafter, check_compatible
 from glance_rt.models.eagle3 import Eagle3Drafter, check_target
 from glance_rt.models.exact import ExactNumerics
 from glance_rt.models.kernels import PREFILL_ROWS, KernelPlan
-from glance_rt.models.target import TargetDecoder
+from glance_rt.models.target import Segment, TargetDecoder
 from glance_rt.round.commit import accept, accept_path, compact, entropies
 from glance_rt.round.device_tree import build_tree_device, lookup_tensors
 from glance_rt.round.draft import DraftPass
@@ -50,33 +50,60 @@ class EagerPasses:
     def warmup(self, budgets, chain: bool, rounds=()) -> None:
         """Nothing to compile: exact-length passes run as they come."""
 
-    def prefill(self, embeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """embeds [1, P, H], positions [1, P] / [3, 1, P] -> last row's logits [V], features [P, F]."""
+    def prefill(self, embeds: Tensor, positions: Tensor, slot: int = 0) -> tuple[Tensor, Tensor]:
+        """embeds [1, P, H], positions [1, P] / [3, 1, P] -> last row's logits [V], features [P, F].
+        `slot`: the sequence's cache slot (`glance_rt.round.batch`), as in every pass below."""
         p, dev = embeds.shape[1], embeds.device
         causal = torch.ones(p, p, dtype=torch.bool, device=dev).tril()
         last = torch.tensor([p - 1], device=dev)
-        logits, feats = self.verifier(embeds, positions, torch.tensor(0, device=dev), causal, p, last, prefill=True)
+        logits, feats = self.verifier(embeds, positions, torch.tensor(0, device=dev), causal, p, last, prefill=True,
+                                      slot=slot)
         return logits[0], feats
 
-    def verify(self, tree, tokens: Tensor, positions: Tensor, start: int, mask: Tensor):
+    def verify(self, tree, tokens: Tensor, positions: Tensor, start: int, mask: Tensor, slot: int = 0):
         """tokens [T], positions [1, T] / [3, 1, T], tree mask [T, T] -> logits [T, V], features
         [T, F], the target's argmax at every row (numpy [T]) and the accepted path (row list)."""
-        embeds = self.verifier.embed_tokens(tokens)[None]  # [1, T, H]
-        start_t = torch.tensor(start, device=tokens.device)
-        logits, feats = self.verifier(embeds, positions, start_t, mask, start + tokens.shape[0])
+        return self.verify_batch([(slot, (tree, tokens, positions, start, mask))])[0]
+
+    def verify_batch(self, calls: list) -> list:
+        """Several sequences' verify passes as one (`TargetDecoder.forward_batch`): calls [(slot, verify's
+        arguments)] -> each one's `verify` result."""
+        segments, offset = [], 0
+        for slot, (_, tokens, _, start, mask) in calls:
+            t = tokens.shape[0]
+            rows = start + torch.arange(t, device=tokens.device)  # [T]
+            segments.append(Segment(slot, offset, t, rows, mask, start + t))
+            offset += t
+        tokens = torch.cat([args[1] for _, args in calls])  # [sum T]
+        positions = torch.cat([args[2] for _, args in calls], -1)  # [1, sum T] / [3, 1, sum T]
+        embeds = self.verifier.embed_tokens(tokens)[None]  # [1, sum T, H]
+        if len(calls) == 1:  # one sequence: the plain pass
+            s = segments[0]
+            logits, feats = self.verifier(embeds, positions, s.rows[0], s.tree_mask, s.kv_len, slot=s.slot)
+        else:
+            logits, feats = self.verifier.forward_batch(embeds, positions, tuple(segments))
         greedy = logits.argmax(-1).cpu().numpy()
-        return logits, feats, greedy, accept(tree, greedy)
+        out = []
+        for s, (_, (tree, *_)) in zip(segments, calls, strict=True):
+            rows = slice(s.offset, s.offset + s.length)
+            out.append((logits[rows], feats[rows], greedy[rows], accept(tree, greedy[rows])))
+        return out
 
     def draft(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int) -> Tensor:
         return self.drafter(ctx_feats, ctx_start, bonus, block_start)
+
+    def draft_batch(self, calls: list) -> list:
+        """Several sequences' draft passes as one (`DraftPass.forward_batch`): calls [(slot, draft's
+        arguments)] -> each one's draft logits."""
+        return self.drafter.forward_batch(tuple((slot, *args) for slot, args in calls))
 
     def draft_tree(self, ctx_feats: Tensor, ctx_tokens: Tensor, ctx_start: int, bonus: int, block_start: int,
                    budget: int, chain: bool):
         """A drafter that grows its own tree (EAGLE-3's `Eagle3Pass`): -> (Tree, draft passes run)."""
         return self.drafter.draft_tree(ctx_feats, ctx_tokens, ctx_start, bonus, block_start, budget, chain)
 
-    def commit(self, path: list[int], start: int) -> None:
-        compact(self.verifier.cache, path, start)
+    def commit(self, path: list[int], start: int, slot: int = 0) -> None:
+        compact(self.verifier.cache, path, start, slot)
 
 
 class StaticGraphs(nn.Module):
@@ -377,7 +404,7 @@ def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
 
 
 def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], kernels, fuse: bool | None = None,
-                  exact: ExactNumerics | None = None):
+                  exact: ExactNumerics | None = None, slots: int = 1):
     """The modules a round runs, over `target`'s weights: (TargetDecoder with a `max_len`-row cache,
     the draft pass or None). A `GlanceDrafter` becomes a `DraftPass` (shared embeddings and lm_head);
     other drafter objects (the eager protocol) are used as they are. `kernels`: None (the plain
@@ -386,7 +413,8 @@ def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], k
     pass checked whole against the plain one: `glance_rt.round.passcheck`). `fuse`: the plain
     weights' q, k, v and gate, up as one GEMM each (`TargetDecoder`); None: on a GPU, where a small
     GEMM costs a launch (the CPU's kernels are chosen by timing instead). `exact`: exact numerics
-    in the verifier's decode passes (`glance_rt.models.exact`)."""
+    in the verifier's decode passes (`glance_rt.models.exact`). `slots`: sequences the caches hold at once
+    (`glance_rt.round.batch`)."""
     if isinstance(drafter, GlanceDrafter):
         check_compatible(drafter.config, target)
     if isinstance(drafter, Eagle3Drafter):
@@ -397,13 +425,13 @@ def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], k
     plans = checked_plans(target, drafter, plans, layers)
     if isinstance(drafter, GlanceDrafter):
         drafter = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, max_len,
-                            plan=plans[1])
+                            plan=plans[1], slots=slots)
     elif isinstance(drafter, Eagle3Drafter):
         drafter = Eagle3Pass(drafter, target.parts.text_model.embed_tokens, max_len, plan=plans[1])
     if fuse is None:
         fuse = target.parts.lm_head.weight.is_cuda
     verifier = TargetDecoder(target.parts, max_len, layers, plan=plans[0], fuse=fuse and plans[0] is None,
-                             exact=exact)
+                             exact=exact, slots=slots)
     return verifier, drafter
 
 
