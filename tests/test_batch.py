@@ -1,0 +1,164 @@
+"""Batched rounds (glance_rt.round.batch): sequences decoded together commit exactly the tokens each gets
+alone, on every architecture, with mixed prompt lengths and images, sequences finishing at different
+rounds and joining as slots free, mixed sampling settings, the gate and prompt lookup; in exact numerics
+a batched verify row has a one-sequence pass's bits."""
+
+import pytest
+import torch
+
+import glance_rt
+from glance_rt.round.batch import Batch
+from tests.conftest import hf_greedy, tiny_target
+from tests.tiny_models import ARCHS, TEXT_ARCHS, make_inputs, make_tiny
+
+PROMPTS = ["Hi.", "Describe what you see in one short sentence, please, with care and in some detail.",
+           "Count: one two three four five, one two three four five, one two three"]
+NEW = (9, 16, 23)  # each request's max_new_tokens: they finish at different rounds
+
+
+def requests(arch: str, processor) -> list[dict]:
+    """Three requests of different lengths (VLMs: 0, 1 and 2 images)."""
+    images = (0, 0, 0) if arch in TEXT_ARCHS else (0, 1, 2)
+    return [make_inputs(arch, processor, prompt=p, n_images=n) for p, n in zip(PROMPTS, images, strict=True)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_greedy_equals_hf_on_every_architecture(arch):
+    """max_batch=2 over three requests: the third joins when the first leaves (continuous batching)."""
+    target, model, processor = tiny_target(arch)
+    reqs = requests(arch, processor)
+    drafter = glance_rt.init_drafter(target, block_size=4, seed=1)
+    dec = glance_rt.Decoder(target, drafter, tree_budget=8, gate=False, max_batch=2)
+    results = Batch(dec).run([dict(r, max_new_tokens=n) for r, n in zip(reqs, NEW, strict=True)])
+    for r, n, res in zip(reqs, NEW, results, strict=True):
+        assert res.token_ids == hf_greedy(model, r, n)
+        assert res.stats.rounds > 1 and res.stats.draft_passes == res.stats.rounds
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+@pytest.mark.parametrize("drafted", [True, False], ids=["tree", "ar"])
+def test_mixed_sampling_in_one_batch_equals_each_alone(arch, drafted):
+    """Greedy, seeded sampling (two settings), a repetition penalty and a stop string in one batch, with
+    the gate and prompt lookup on (their defaults): each sequence == the same engine decoding it alone."""
+    target, _, processor = tiny_target(arch)
+    reqs = requests(arch, processor) + [make_inputs(arch, processor, prompt=PROMPTS[2], n_images=0)]
+    samplings = [glance_rt.Sampling(), glance_rt.Sampling(do_sample=True, temperature=1.5, top_k=0, seed=7),
+                 glance_rt.Sampling(do_sample=True, top_p=0.9, seed=3, repetition_penalty=1.2),
+                 glance_rt.Sampling(repetition_penalty=1.3, stop=("e",))]
+    drafter = glance_rt.init_drafter(target, block_size=5, seed=2) if drafted else None
+    alone = glance_rt.Decoder(target, drafter, tree_budget=12)
+    want = [alone.generate(max_new_tokens=20, sampling=s, **r).token_ids for r, s in zip(reqs, samplings, strict=True)]
+    dec = glance_rt.Decoder(target, drafter, tree_budget=12, max_batch=4)
+    got = Batch(dec).run([dict(r, sampling=s, max_new_tokens=20) for r, s in zip(reqs, samplings, strict=True)])
+    assert [g.token_ids for g in got] == want
+    assert want[1] != want[0]  # sampling took other tokens than greedy
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_exact_bf16_batch_equals_the_engines_own_autoregression(arch):
+    """In exact numerics, a batch of GLANCE sequences in bf16 commits the same engine's one-sequence
+    autoregressive tokens (a row's bits do not depend on the other sequences in the pass)."""
+    model, processor = make_tiny(arch)
+    target = glance_rt.load_target(model, processor=processor, dtype="bfloat16")
+    reqs = requests(arch, processor)
+    ar = glance_rt.Decoder(target, None, numerics="exact")
+    want = [ar.generate(max_new_tokens=n, **r).token_ids for r, n in zip(reqs, NEW, strict=True)]
+    drafter = glance_rt.init_drafter(target, block_size=4, seed=1)
+    dec = glance_rt.Decoder(target, drafter, tree_budget=16, gate=False, numerics="exact", max_batch=3)
+    got = Batch(dec).run([dict(r, max_new_tokens=n) for r, n in zip(reqs, NEW, strict=True)])
+    assert [g.token_ids for g in got] == want
+
+
+def test_exact_batched_verify_rows_have_the_single_pass_bits():
+    """The verify pass of two sequences at once == each one's own pass, bit for bit, in exact numerics;
+    and a planted leak (a sequence's rows attending the other slot) is caught."""
+    from glance_rt.round.tree import build_tree
+
+    target, _, processor = tiny_target("qwen2")
+    drafter = glance_rt.init_drafter(target, block_size=4, seed=1)
+    dec = glance_rt.Decoder(target, drafter, tree_budget=8, gate=False, lookup=0, numerics="exact", max_batch=2)
+    passes, calls = dec.passes, []
+    for slot, prompt in enumerate(PROMPTS[:2]):
+        pre = dec.prefill_inputs(make_inputs("qwen2", processor, prompt=prompt))
+        p = pre.embeds.shape[0]
+        passes.prefill(pre.embeds[None], pre.positions[None], slot=slot)
+        logits = torch.randn(3, target.parts.lm_head.weight.shape[0], generator=torch.Generator().manual_seed(slot))
+        tree = build_tree(logits, 5 + slot, 8, False, None, (0, []))
+        tokens, mask = torch.from_numpy(tree.tokens), torch.from_numpy(tree.mask)
+        calls.append((slot, (tree, tokens, (torch.from_numpy(tree.depth) + p)[None], p, mask)))
+    together = passes.verify_batch(calls)
+    for (slot, args), got in zip(calls, together, strict=True):
+        alone = passes.verify(*args, slot=slot)
+        assert torch.equal(got[0], alone[0]) and torch.equal(got[1], alone[1]) and got[3] == alone[3]
+    calls[1] = (0, calls[1][1])  # the second sequence's rows in the first one's slot: another prefix
+    assert not torch.equal(passes.verify_batch(calls)[1][0], together[1][0])
+
+
+def test_sequences_join_leave_and_cancel():
+    """A cancelled sequence frees its slot at once; the request that takes it decodes as alone, and the
+    sequence that kept running is unaffected."""
+    target, model, processor = tiny_target("llama")
+    reqs = requests("llama", processor)
+    drafter = glance_rt.init_drafter(target, block_size=4, seed=1)
+    batch = Batch(glance_rt.Decoder(target, drafter, tree_budget=8, max_batch=2))
+    keep, drop = batch.add(20, **reqs[0]), batch.add(20, **reqs[1])
+    tokens = {keep: [], drop: []}
+    for _ in range(2):
+        for ev in batch.step():
+            tokens[ev.handle] += ev.tokens
+    assert tokens[drop] and batch.full
+    with pytest.raises(glance_rt.GlanceError, match="batch is full"):
+        batch.add(5, **reqs[2])
+    batch.cancel(drop)
+    late = batch.add(20, **reqs[2])
+    tokens[late] = []
+    stats = {}
+    while len(batch):
+        for ev in batch.step():
+            tokens[ev.handle] += ev.tokens
+            if ev.done:
+                stats[ev.handle] = ev.stats
+    assert tokens[keep] == hf_greedy(model, reqs[0], 20) and tokens[late] == hf_greedy(model, reqs[2], 20)
+    assert set(stats) == {keep, late} and stats[late].prompt_tokens == reqs[2]["input_ids"].shape[1]
+
+
+def test_a_bad_request_ends_alone():
+    target, model, processor = tiny_target("llama")
+    reqs = requests("llama", processor)
+    batch = Batch(glance_rt.Decoder(target, None, max_batch=2))
+    good, bad = batch.add(6, **reqs[0]), batch.add(0, **reqs[1])  # max_new_tokens=0: refused in its first step
+    events = {ev.handle: ev for ev in batch.step()}
+    assert events[bad].done and isinstance(events[bad].error, glance_rt.GlanceError)
+    assert not batch.full and len(batch) == 1
+    tokens = list(events[good].tokens)
+    while len(batch):
+        tokens += [t for ev in batch.step() for t in ev.tokens]
+    assert tokens == hf_greedy(model, reqs[0], 6)
+
+
+def test_batched_decoding_refuses_what_it_cannot_run():
+    target, _, _ = tiny_target("llama")
+    drafter = glance_rt.init_drafter(target, block_size=4, seed=1)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(glance_rt.GlanceError, match="max_batch must be"):
+            glance_rt.Decoder(target, drafter, max_batch=bad)
+    with pytest.raises(glance_rt.GlanceError, match="eager backend"):
+        glance_rt.Decoder(target, drafter, backend="compile", max_batch=2)
+    with pytest.raises(glance_rt.GlanceError, match="eager backend"):
+        glance_rt.Decoder(target, glance_rt.init_eagle3(target, seed=0), max_batch=2)
+
+
+def test_draft_pass_of_a_batch_equals_each_alone():
+    """DraftPass.forward_batch: each sequence's draft logits as its own pass gives them (up to rounding)."""
+    from glance_rt.round.draft import DraftPass
+
+    target, _, _ = tiny_target("qwen3")
+    drafter = glance_rt.init_drafter(target, block_size=4, seed=3)
+    parts = target.parts
+    dp = DraftPass(drafter, parts.text_model.embed_tokens, parts.lm_head, 64, slots=2)
+    width = len(drafter.target_layer_ids) * parts.text_config.hidden_size
+    feats = [torch.randn(m, width, generator=torch.Generator().manual_seed(m)) for m in (5, 9)]
+    items = ((0, feats[0], 0, 11, 5), (1, feats[1], 0, 12, 9))
+    together = dp.forward_batch(items)
+    for (slot, f, start, bonus, block_start), got in zip(items, together, strict=True):
+        torch.testing.assert_close(got, dp(f, start, bonus, block_start, slot), rtol=1e-5, atol=1e-5)
