@@ -10,6 +10,8 @@ import click
 from glance_rt.errors import GlanceError
 from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_LOOKUP_BUDGET, DEFAULT_TREE_BUDGET, Method, job_max_length
 
+DEFAULT_SERVE_BATCH = 8  # serve's --max-batch where batched rounds run
+
 # options shared by several commands
 TARGET = click.option("--target", "target_path", type=click.Path(), default=None,
                       help="Local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")
@@ -529,13 +531,19 @@ def bench(target_path, drafter_path, suite, per_kind, images, methods, max_new_t
         raise SystemExit(1)
 
 
-def _method_decoder(method: Method, target_path, drafter_path, dtype, device, max_length, encode, max_new_tokens):
+def _method_decoder(method: Method, target_path, drafter_path, dtype, device, max_length, encode, max_new_tokens,
+                    max_batch: int | None = 1):
     """-> (target, the Decoder that runs `method`, the job's encoded prompts `encode(target)`). The
     static caches are sized to the job (`glance_rt.method.job_max_length`) unless --max-length is
-    given; an engine's are its manifest's, its target and drafter its sources unless overridden."""
+    given; an engine's are its manifest's, its target and drafter its sources unless overridden.
+    `max_batch`: sequences decoded at once (`Decoder`); None: `DEFAULT_SERVE_BATCH` where the method runs
+    batched rounds (eager passes over a GLANCE drafter or none), else 1."""
     from glance_rt.round.loop import Decoder
 
     if method.engine is not None:
+        if (max_batch or 1) > 1:
+            raise GlanceError(f"--max-batch {max_batch}: engines decode one sequence at a time (batched rounds run "
+                              "eager passes); use --max-batch 1")
         dec = _engine_decoder(method, target_path, drafter_path)
         return dec.target, dec, encode(dec.target)
     from dataclasses import replace
@@ -549,7 +557,12 @@ def _method_decoder(method: Method, target_path, drafter_path, dtype, device, ma
     if max_length is None:
         longest = max(e["input_ids"].shape[1] for e in encoded)
         max_length = job_max_length(longest, max_new_tokens, [method.tree_budget])
-    return target, Decoder.from_method(method, target, drafter, max_length), encoded
+    if max_batch is None:
+        from glance_rt.method import default_backend
+
+        eager = (method.backend or default_backend(target.device)) in ("eager", "plain")
+        max_batch = DEFAULT_SERVE_BATCH if eager and not isinstance(drafter, Eagle3Drafter) else 1
+    return target, Decoder.from_method(method, target, drafter, max_length, max_batch=max_batch), encoded
 
 
 def _engine_decoder(method: Method, target_path, drafter_path):
@@ -674,28 +687,40 @@ def export(target_path, drafter_path, out, budgets, chain, max_length, chunk, op
 @click.option("--max-tokens", "default_max_tokens", default=256, show_default=True, type=int,
               help="Completion tokens when a request names no max_tokens.")
 @click.option("--model-name", default=None, help="The model id /v1/models lists (default: the target's name).")
+@click.option("--max-batch", type=int, default=None,
+              help=f"Requests decoded at once (continuous batching; a cache slot of --max-length rows each). "
+                   f"Default: {DEFAULT_SERVE_BATCH} where batched rounds run (eager passes), else 1.")
+@click.option("--api-key", envvar="GLANCE_RT_API_KEY", default=None,
+              help="Every /v1 request must send 'Authorization: Bearer KEY' (401 otherwise; /health and /metrics "
+                   "stay open). Required to bind anywhere but loopback. Env: GLANCE_RT_API_KEY.")
 def serve(target_path, drafter_path, method, max_length, dtype, device, host, port, max_queue, request_timeout,
-          default_max_tokens, model_name):
+          default_max_tokens, model_name, max_batch, api_key):
     """Serve the target over an OpenAI-compatible HTTP API (chat and text completions, streaming,
-    images, /metrics), one request at a time from a bounded queue; warms up before it reports ready."""
+    images, /metrics), decoding up to --max-batch requests at once (continuous batching: each joins at a
+    round boundary) from a bounded queue; warms up before it reports ready."""
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise click.ClickException("serve needs fastapi and uvicorn: pip install 'glance-rt[serve]'") from e
-    from glance_rt.server.app import create_app
+    from glance_rt.server.app import create_app, loopback
     from glance_rt.server.app import serve as run_server
 
+    if not loopback(host) and not api_key:
+        raise click.ClickException(f"--host {host} is reachable from other machines: pass --api-key KEY (or set "
+                                   "GLANCE_RT_API_KEY) so that only clients with the key are served")
+    if max_batch is not None and max_batch < 1:
+        raise click.ClickException(f"--max-batch must be at least 1, got {max_batch}")
     try:
         target, dec, _ = _method_decoder(method, target_path, drafter_path, dtype, device, max_length,
-                                         lambda t: [], default_max_tokens)
+                                         lambda t: [], default_max_tokens, max_batch)
         click.echo(f"[glance-rt] warming up {_describe(dec)} ...", err=True)
         dec.warmup()
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     name = model_name or target.name
     app, worker = create_app(dec, name, max_queue=max_queue, request_timeout=request_timeout,
-                             default_max_tokens=default_max_tokens)
+                             default_max_tokens=default_max_tokens, api_key=api_key)
     click.echo(f"[glance-rt] serving {name} ({_describe(dec)}) on http://{host}:{port}/v1", err=True)
     run_server(app, worker, host, port)
 

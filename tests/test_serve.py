@@ -183,8 +183,9 @@ def counters(server) -> dict:
 
 
 def test_load_no_request_lost_or_mixed_and_disconnect_frees_the_decoder(server, offline):
-    """8 clients x 3 requests with a queue of 2: each completes with its own prompt's answer or gets a
-    429; the metrics count them; a client dropped mid-stream does not block the next request."""
+    """8 clients x 3 requests with a queue of 2 (and the default batch of 8): each completes with its own
+    prompt's answer (as decoded alone) or gets a 429; the metrics count them, and rounds ran several
+    requests at once; a client dropped mid-stream does not block the next request."""
     prompts = [f"Count to {i}." for i in range(8)]
     want = {p: offline(p, max_tokens=8) for p in prompts}
     results, errors = [], []
@@ -212,6 +213,8 @@ def test_load_no_request_lost_or_mixed_and_disconnect_frees_the_decoder(server, 
     assert after["glance_requests_rejected_total"] - before["glance_requests_rejected_total"] == len(errors)
     assert (after["glance_completion_tokens_total"] - before["glance_completion_tokens_total"]
             == sum(n for _, _, n in results))
+    rounds = after["glance_batch_rounds_total"] - before["glance_batch_rounds_total"]
+    assert after["glance_batch_sequences_total"] - before["glance_batch_sequences_total"] > rounds  # batched
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request("POST", "/v1/chat/completions", json.dumps({
         "messages": [{"role": "user", "content": "Go on and on."}], "stream": True, "max_tokens": 200,
@@ -224,3 +227,37 @@ def test_load_no_request_lost_or_mixed_and_disconnect_frees_the_decoder(server, 
                                               messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert r.choices[0].message.content == offline("Hi", max_tokens=4)
     assert time.time() - start < 60
+
+
+def test_api_key_guards_v1_and_one_at_a_time_still_serves(tiny, offline):
+    """--api-key: /v1 routes answer 401 (OpenAI's format) without the key or with a wrong one, and serve
+    with it; /health and /metrics stay open. --max-batch 1 decodes one request at a time, same output."""
+    s = Server(*tiny, "--api-key", "sesame", "--max-batch", "1", "--max-tokens", "8")
+    try:
+        assert json.loads(get(s.url + "/health")[1])["max_batch"] == 1
+        assert get(s.url + "/metrics")[0] == 200
+        for key in ("none", "sesame2"):
+            c = openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as e:
+                c.chat.completions.create(model="x", messages=[{"role": "user", "content": "Hi"}])
+            assert e.value.body["code"] == "invalid_api_key"
+            with pytest.raises(openai.AuthenticationError):
+                c.models.list()
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="sesame", max_retries=0)
+        r = c.chat.completions.create(model=c.models.list().data[0].id, temperature=0,
+                                      messages=[{"role": "user", "content": "Hi"}])
+        assert r.choices[0].message.content == offline("Hi", max_tokens=8)
+    finally:
+        s.close()
+
+
+def test_serve_refuses_an_open_bind_without_a_key(tiny):
+    from click.testing import CliRunner
+
+    from glance_rt.cli import main
+
+    env = {"GLANCE_RT_API_KEY": ""}
+    out = CliRunner().invoke(main, ["serve", "--target", tiny[0], "--host", "0.0.0.0"], env=env)
+    assert out.exit_code != 0 and "--api-key" in out.output
+    out = CliRunner().invoke(main, ["serve", "--target", tiny[0], "--max-batch", "0"], env=env)
+    assert out.exit_code != 0 and "--max-batch" in out.output

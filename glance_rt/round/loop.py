@@ -265,10 +265,11 @@ class Decoder:
 
     @classmethod
     def from_method(cls, method: Method, target, drafter=None, max_length: int | None = None,
-                    policy=None) -> "Decoder":
+                    policy=None, max_batch: int = 1) -> "Decoder":
         """The Decoder that runs `method` (`glance_rt.method.Method`) for `target` (+ `drafter`;
         None decodes autoregressively). `max_length`: static cache rows (None: `DEFAULT_MAX_LENGTH`;
-        an engine has its own). `policy`: the calibrated AdaptiveBudget of an "adaptive" method."""
+        an engine has its own). `policy`: the calibrated AdaptiveBudget of an "adaptive" method.
+        `max_batch`: as in `Decoder` (engines: 1)."""
         drafter = None if method.kind == "ar" else drafter
         eagle3 = isinstance(drafter, Eagle3Drafter)
         if method.kind == "eagle3" and drafter is not None and not eagle3:
@@ -278,6 +279,8 @@ class Decoder:
             raise GlanceError(f"method {method.name} needs a GLANCE drafter, not an EAGLE-3 head (its trees: "
                               f"eagle3-{method.tree_budget})")
         if method.engine is not None:
+            if max_batch != 1:
+                raise GlanceError(f"max_batch={max_batch}: engines decode one sequence at a time; use max_batch=1")
             return cls.from_engine(method.engine, target, drafter, tree_budget=method.tree_budget, lookup=method.lookup,
                                    gate=None if method.gate else False, lookup_budget=method.lookup_budget,
                                    numerics=method.numerics)
@@ -287,7 +290,8 @@ class Decoder:
         return cls(target, drafter, tree_budget=policy if method.kind == "adaptive" else method.tree_budget,
                    chain=method.kind == "chain", lookup=method.lookup, max_length=max_length or DEFAULT_MAX_LENGTH,
                    backend="eager" if plain else method.backend, prepack=False if plain else "auto",
-                   gate=None if method.gate else False, lookup_budget=method.lookup_budget, numerics=method.numerics)
+                   gate=None if method.gate else False, lookup_budget=method.lookup_budget, numerics=method.numerics,
+                   max_batch=max_batch)
 
     @staticmethod
     def _kernels(prepack, packable: bool):

@@ -1,12 +1,13 @@
 """`glance-rt serve`: an OpenAI-compatible HTTP server over one Decoder (FastAPI + uvicorn).
 
-One worker owns the decoder and serves requests in arrival order from a bounded queue (429 with
-Retry-After when it is full). `glance-rt serve` runs the worker in the main thread and uvicorn in a
+One worker owns the decoder and decodes requests in a batch that runs continuously
+(`glance_rt.round.batch.Batch`): a waiting request joins at the next round boundary while the decoder
+has a free slot (`--max-batch`), and leaves when done; requests beyond the batch wait in a bounded
+queue (429 with Retry-After when it is full). `glance-rt serve` runs the worker in the main thread and uvicorn in a
 second one: torch's CPU kernels ran generation about 25% slower from a non-main thread on the
-development machine (measured; OpenMP's spinning worker team serves the main thread). A request runs
-as the Decoder's rounds; between rounds the worker checks whether the client went away or the request
-timed out, and stops it there, so a disconnect frees the decoder within one round. Batch size is 1:
-concurrent requests wait their turn.
+development machine (measured; OpenMP's spinning worker team serves the main thread). Between rounds the
+worker checks whether each client went away or its request timed out, and drops it there, so a
+disconnect frees its slot within one round. Each request's tokens are the ones it gets alone.
 """
 
 import asyncio
@@ -39,12 +40,31 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
 
+@dataclass
+class Active:
+    """A job in the running batch: what its client has been sent so far."""
+
+    job: Job
+    handle: int
+    start: float = field(default_factory=time.perf_counter)
+    tokens: list[int] = field(default_factory=list)
+    shown: str = ""
+    first: float | None = None
+    last: float | None = None
+
+
 class Worker:
-    """The thread that runs the decoder, one job at a time."""
+    """The thread that runs the decoder: every waiting job joins the running batch (`glance_rt.round.batch`)
+    at a round boundary while the decoder has a free slot, and leaves when done, cancelled or timed out."""
 
     def __init__(self, decoder, metrics: Metrics, max_queue: int):
+        from glance_rt.round.batch import Batch
+
         self.decoder, self.metrics = decoder, metrics
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.batch = Batch(decoder)
+        self.active: dict[int, Active] = {}
+        metrics.max_batch = decoder.max_batch
 
     def submit(self, job: Job) -> None:
         try:
@@ -56,63 +76,101 @@ class Worker:
         self.metrics.queue_depth = self.jobs.qsize()
 
     def serve_forever(self) -> None:
-        """Decode queued jobs, one at a time, forever (the caller's thread: run it in the main one)."""
+        """Decode forever (the caller's thread: run it in the main one)."""
         while True:
-            job = self.jobs.get()
-            self.metrics.queue_depth = self.jobs.qsize()
-            try:
-                self._run(job)
-            except GlanceError as e:
-                job.put("error", ApiError(400, str(e)))
-            except Exception as e:  # never let one request take the server down
-                job.put("error", ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+            self.serve_step()
 
-    def _run(self, job: Job) -> None:
+    def serve_step(self, wait: float | None = None) -> None:
+        """Admit waiting jobs while slots are free (with none running, wait `wait` seconds for one; None:
+        as long as it takes), then run one round of the batch and hand each job its tokens."""
+        while not self.batch.full:
+            try:
+                job = self.jobs.get(timeout=wait) if not self.active else self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            self.metrics.queue_depth = self.jobs.qsize()
+            self._admit(job)
+        if not self.active:
+            return
+        self.metrics.observe_round(len(self.active))
+        try:
+            events = self.batch.step()
+        except Exception as e:  # never let one round take the server down: fail the jobs in it
+            events = []
+            for act in list(self.active.values()):
+                self._leave(act, "error", ApiError(500, f"internal error: {type(e).__name__}: {e}",
+                                                   kind="server_error"))
+        now = time.perf_counter()
+        for ev in events:
+            act = self.active.get(ev.handle)
+            if act is None:
+                continue
+            self._send(act, ev.tokens, now)
+            if ev.error is not None:
+                status = 400 if isinstance(ev.error, GlanceError) else 500
+                kind = "invalid_request_error" if status == 400 else "server_error"
+                self._leave(act, "error", ApiError(status, str(ev.error), kind=kind), ev.stats)
+            elif ev.done:
+                max_tokens = act.job.request.max_tokens
+                stop = len(act.tokens) < max_tokens or (act.tokens and act.tokens[-1] in self.decoder.eos_ids)
+                self._leave(act, "stop" if stop else "length", stats=ev.stats)
+        for act in list(self.active.values()):  # the client left, or the request ran out of time
+            if act.job.cancelled.is_set() or now > act.job.deadline:
+                stats = self.batch.stats(act.handle)
+                self.batch.cancel(act.handle)
+                self._leave(act, "cancelled" if act.job.cancelled.is_set() else "timeout", stats=stats)
+
+    def _admit(self, job: Job) -> None:
         if job.cancelled.is_set():  # the client left while it waited
             return
         if time.perf_counter() > job.deadline:
             job.put("error", ApiError(408, "the request waited past the server's --request-timeout", kind="timeout"))
             return
-        stats, tokens, shown = Stats(), [], ""
-        target, start = self.decoder.target, time.perf_counter()
-        first = last = None
-        reason = "length"
-        rounds = self.decoder.rounds(job.request.max_tokens, stats, job.request.sampling, **job.inputs)
-        for run in rounds:
-            now = time.perf_counter()
-            if first is None:
-                first = now
-                self.metrics.observe_ttft(now - job.enqueued)
-            elif run:
-                self.metrics.observe_itl((now - last) / len(run), len(run))
-            last = now
-            tokens += run
-            text = target.decode(tokens) or ""
-            if not text.endswith("\ufffd") and text.startswith(shown) and len(text) > len(shown):
-                job.put("text", text[len(shown):])
-                shown = text
-            if job.cancelled.is_set() or now > job.deadline:
-                rounds.close()
-                reason = "cancelled" if job.cancelled.is_set() else "timeout"
-                break
-        else:
-            reason = "stop" if (len(tokens) < job.request.max_tokens or
-                                (tokens and tokens[-1] in self.decoder.eos_ids)) else "length"
-        text = target.decode(tokens) or ""
-        if text.startswith(shown) and len(text) > len(shown):
-            job.put("text", text[len(shown):])
-        self.metrics.observe_request(stats, len(tokens), time.perf_counter() - start, reason)
-        if reason == "timeout":
-            job.put("error", ApiError(408, "the request ran past the server's --request-timeout", kind="timeout"))
+        try:
+            handle = self.batch.add(job.request.max_tokens, job.request.sampling, **job.inputs)
+        except GlanceError as e:
+            job.put("error", ApiError(400, str(e)))
             return
-        job.put("done", {"finish_reason": reason, "completion_tokens": len(tokens), "text": text,
-                         "prompt_tokens": stats.prompt_tokens, "tau": stats.tau, "rounds": stats.rounds})
+        self.active[handle] = Active(job, handle)
+
+    def _send(self, act: Active, run: list[int], now: float) -> None:
+        """A round's tokens: first-token and inter-token times, and the text they complete, streamed."""
+        if act.first is None:
+            act.first = now
+            self.metrics.observe_ttft(now - act.job.enqueued)
+        elif run:
+            self.metrics.observe_itl((now - act.last) / len(run), len(run))
+        act.last = now
+        act.tokens += run
+        text = self.decoder.target.decode(act.tokens) or ""
+        if not text.endswith("\ufffd") and text.startswith(act.shown) and len(text) > len(act.shown):
+            act.job.put("text", text[len(act.shown):])
+            act.shown = text
+
+    def _leave(self, act: Active, reason: str, error: ApiError | None = None, stats: Stats | None = None) -> None:
+        """The job is over: its last text, its metrics, then "done" (or its error)."""
+        del self.active[act.handle]
+        job, stats = act.job, stats or Stats()
+        text = self.decoder.target.decode(act.tokens) or ""
+        if text.startswith(act.shown) and len(text) > len(act.shown):
+            job.put("text", text[len(act.shown):])
+        self.metrics.observe_request(stats, len(act.tokens), time.perf_counter() - act.start, reason)
+        if error is not None:
+            job.put("error", error)
+        elif reason == "timeout":
+            job.put("error", ApiError(408, "the request ran past the server's --request-timeout", kind="timeout"))
+        elif reason != "cancelled":
+            job.put("done", {"finish_reason": reason, "completion_tokens": len(act.tokens), "text": text,
+                             "prompt_tokens": stats.prompt_tokens, "tau": stats.tau, "rounds": stats.rounds})
 
 
 def create_app(decoder, model_name: str, max_queue: int = 16, request_timeout: float = 600.0,
-               default_max_tokens: int = 256):
+               default_max_tokens: int = 256, api_key: str | None = None):
     """(the FastAPI app serving `decoder` (warmed up by the caller) as model `model_name`, its Worker:
-    call `worker.serve_forever()` to decode)."""
+    call `worker.serve_forever()` to decode). `api_key`: every /v1 route wants `Authorization: Bearer
+    <api_key>` (401 in OpenAI's error format otherwise); /health and /metrics stay open (probes and
+    scrapers), as in vLLM."""
+    import hmac
     import json
 
     from fastapi import FastAPI
@@ -138,6 +196,14 @@ def create_app(decoder, model_name: str, max_queue: int = 16, request_timeout: f
     async def _any(_, exc):  # anything unforeseen is a 500 in OpenAI's format, and the server lives on
         return error(ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error"))
 
+    def authorize(http: HttpRequest) -> None:
+        if api_key is None:
+            return
+        scheme, _, given = http.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise ApiError(401, "a valid API key is required: send it as 'Authorization: Bearer <key>' (the openai "
+                                "client's api_key)", kind="invalid_request_error", code="invalid_api_key")
+
     async def body_of(http: HttpRequest) -> dict:
         raw = await http.body()
         if len(raw) > MAX_BODY:
@@ -148,6 +214,7 @@ def create_app(decoder, model_name: str, max_queue: int = 16, request_timeout: f
             raise ApiError(400, f"the body is not valid JSON ({e})") from e
 
     async def submit(http: HttpRequest, chat: bool):
+        authorize(http)
         req = parse(await body_of(http), chat, model_name, target.is_vlm, default_max_tokens)
         try:
             if chat:
@@ -253,13 +320,18 @@ def create_app(decoder, model_name: str, max_queue: int = 16, request_timeout: f
         return await respond(http, chat=False)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(http: HttpRequest):
+        try:
+            authorize(http)
+        except ApiError as e:
+            return error(e)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "glance-rt"}]}
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "queue_depth": worker.jobs.qsize()}
+        return {"status": "ok", "model": model_name, "queue_depth": worker.jobs.qsize(),
+                "running": len(worker.active), "max_batch": decoder.max_batch}
 
     @app.get("/metrics")
     async def prometheus():
@@ -267,6 +339,18 @@ def create_app(decoder, model_name: str, max_queue: int = 16, request_timeout: f
         return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
 
     return app, worker
+
+
+def loopback(host: str) -> bool:
+    """Whether binding to `host` keeps the server to this machine."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
 
 
 def serve(app, worker: Worker, host: str, port: int) -> None:

@@ -40,8 +40,17 @@ class Metrics:
         self.finished: dict[str, int] = {}  # by finish reason
         self.prompt_tokens = self.completion_tokens = self.rounds = self.draft_passes = 0
         self.queue_depth = 0
+        self.batch_size = 0  # sequences in the last round
+        self.max_batch = 1  # the decoder's slots
+        self.batch_rounds = self.batch_sequences = 0  # rounds run, and the sequences in them summed
         self.ttft, self.itl = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS)
         self.accepted = Histogram(ACCEPT_BUCKETS)
+
+    def observe_round(self, sequences: int) -> None:
+        with self.lock:
+            self.batch_size = sequences
+            self.batch_rounds += 1
+            self.batch_sequences += sequences
 
     def observe_ttft(self, seconds: float) -> None:
         with self.lock:
@@ -74,6 +83,11 @@ class Metrics:
                 "# TYPE glance_rounds_total counter", f"glance_rounds_total {self.rounds}",
                 "# TYPE glance_draft_passes_total counter", f"glance_draft_passes_total {self.draft_passes}",
                 "# TYPE glance_queue_depth gauge", f"glance_queue_depth {self.queue_depth}",
+                "# TYPE glance_batch_size gauge", f"glance_batch_size {self.batch_size}",
+                "# TYPE glance_max_batch gauge", f"glance_max_batch {self.max_batch}",
+                "# TYPE glance_batch_rounds_total counter", f"glance_batch_rounds_total {self.batch_rounds}",
+                "# TYPE glance_batch_sequences_total counter",
+                f"glance_batch_sequences_total {self.batch_sequences}",
                 "# TYPE glance_time_to_first_token_seconds histogram",
                 *self.ttft.lines("glance_time_to_first_token_seconds"),
                 "# TYPE glance_inter_token_latency_seconds histogram",
