@@ -122,15 +122,30 @@ def test_sequences_join_leave_and_cancel():
     assert set(stats) == {keep, late} and stats[late].prompt_tokens == reqs[2]["input_ids"].shape[1]
 
 
+def test_a_new_sequences_first_token_comes_out_before_the_round():
+    """Time to first token: a step yields a joining sequence's prefill token before the batched passes
+    run (the running sequence's round tokens come after)."""
+    target, _, processor = tiny_target("llama")
+    reqs = requests("llama", processor)
+    batch = Batch(glance_rt.Decoder(target, glance_rt.init_drafter(target, block_size=4, seed=1), max_batch=2))
+    first = batch.add(10, **reqs[0])
+    list(batch.step())
+    second = batch.add(10, **reqs[1])
+    events = list(batch.step())
+    assert [ev.handle for ev in events][:1] == [second] and len(events[0].tokens) == 1
+    assert {ev.handle for ev in events[1:]} == {first, second}
+
+
 def test_a_bad_request_ends_alone():
     target, model, processor = tiny_target("llama")
     reqs = requests("llama", processor)
     batch = Batch(glance_rt.Decoder(target, None, max_batch=2))
     good, bad = batch.add(6, **reqs[0]), batch.add(0, **reqs[1])  # max_new_tokens=0: refused in its first step
-    events = {ev.handle: ev for ev in batch.step()}
-    assert events[bad].done and isinstance(events[bad].error, glance_rt.GlanceError)
+    events = list(batch.step())
+    (ended,) = [ev for ev in events if ev.handle == bad]
+    assert ended.done and isinstance(ended.error, glance_rt.GlanceError)
     assert not batch.full and len(batch) == 1
-    tokens = list(events[good].tokens)
+    tokens = [t for ev in events if ev.handle == good for t in ev.tokens]
     while len(batch):
         tokens += [t for ev in batch.step() for t in ev.tokens]
     assert tokens == hf_greedy(model, reqs[0], 6)

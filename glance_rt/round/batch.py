@@ -100,27 +100,27 @@ class Batch:
     def stats(self, handle: int) -> Stats:
         return self.sequences[handle].stats
 
-    @torch.inference_mode()
-    def step(self) -> list[Event]:
-        """One round of every sequence (a new one's prefill and first round) -> an Event per sequence."""
-        events: dict[int, Event] = {}
-        for seq in list(self.sequences.values()):
-            if seq.pending is None:
-                self._advance(seq, None, events)
-        for name in BATCHED:
-            waiting = [s for s in self.sequences.values() if s.pending is not None and s.pending.name == name]
-            if not waiting:
-                continue
-            try:
-                results = self._batched(name, waiting)
-            except Exception as e:  # a pass that fails fails every sequence in it
-                for seq in waiting:
-                    self._end(seq, events, e)
-                continue
-            for seq, result in zip(waiting, results, strict=True):
-                seq.pending = None
-                self._advance(seq, result, events)
-        return list(events.values())
+    def step(self):
+        """One round of every sequence (a new one's prefill and first round): yields Events as they come,
+        a new sequence's first token as soon as its prefill is done (its time to first token), then one
+        per sequence after the batched passes. Consume it whole before the next `add` or `step`."""
+        with torch.inference_mode():
+            for seq in list(self.sequences.values()):
+                if seq.pending is None:
+                    yield from self._advance(seq, None)
+            for name in BATCHED:
+                waiting = [s for s in self.sequences.values() if s.pending is not None and s.pending.name == name]
+                if not waiting:
+                    continue
+                try:
+                    results = self._batched(name, waiting)
+                except Exception as e:  # a pass that fails fails every sequence in it
+                    for seq in waiting:
+                        yield self._end(seq, [], e)
+                    continue
+                for seq, result in zip(waiting, results, strict=True):
+                    seq.pending = None
+                    yield from self._advance(seq, result)
 
     def run(self, requests: list[dict]) -> list[GenerateResult]:
         """Decode every request (inputs, and optionally `max_new_tokens` and `sampling`), admitting each as
@@ -145,24 +145,33 @@ class Batch:
 
     # ------------------------------------------------------------------ internals
 
-    def _advance(self, seq: _Sequence, value, events: dict) -> None:
+    def _advance(self, seq: _Sequence, value):
         """Send `value` into the sequence and run it on to its next batched call (prefill and commit run at
-        once, in its slot), collecting the tokens it commits; end it when it finishes or fails."""
+        once, in its slot): yields an Event of the tokens it commits on the way (after a prefill at once),
+        or of its end when it finishes or fails."""
+        tokens = []
         try:
             while True:
                 item = seq.coroutine.send(value)
+                value = None
                 if type(item) is not Call:
-                    self._event(events, seq).tokens.extend(item)
-                    value = None
+                    tokens += item
                 elif item.name in BATCHED:
                     seq.pending = item
-                    return
+                    break
                 else:
-                    value = self._single(item, seq.slot)
+                    if item.name == "commit" or not tokens:
+                        value = self._single(item, seq.slot)
+                        continue
+                    yield Event(seq.handle, tokens)  # the prefill's token goes out before the round
+                    tokens, value = [], self._single(item, seq.slot)
         except StopIteration:
-            self._end(seq, events)
+            yield self._end(seq, tokens)
+            return
         except Exception as e:
-            self._end(seq, events, e)
+            yield self._end(seq, tokens, e)
+            return
+        yield Event(seq.handle, tokens)
 
     def _single(self, call: Call, slot: int):
         if self.decoder.max_batch == 1:  # one sequence: any backend's passes
@@ -174,13 +183,8 @@ class Batch:
             return [getattr(self.passes, name)(*waiting[0].pending.args)]
         return getattr(self.passes, f"{name}_batch")([(s.slot, s.pending.args) for s in waiting])
 
-    def _event(self, events: dict, seq: _Sequence) -> Event:
-        if seq.handle not in events:
-            events[seq.handle] = Event(seq.handle, [])
-        return events[seq.handle]
-
-    def _end(self, seq: _Sequence, events: dict, error: Exception | None = None) -> None:
-        events[seq.handle] = Event(seq.handle, self._event(events, seq).tokens, True, seq.stats, error)
+    def _end(self, seq: _Sequence, tokens: list[int], error: Exception | None = None) -> Event:
         self.sequences.pop(seq.handle, None)
         self.free.append(seq.slot)
         seq.pending = None
+        return Event(seq.handle, tokens, True, seq.stats, error)

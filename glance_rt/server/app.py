@@ -94,31 +94,33 @@ class Worker:
             return
         self.metrics.observe_round(len(self.active))
         try:
-            events = self.batch.step()
+            for ev in self.batch.step():  # a new request's first token as soon as its prefill is done
+                self._on_event(ev)
         except Exception as e:  # never let one round take the server down: fail the jobs in it
-            events = []
             for act in list(self.active.values()):
+                self.batch.cancel(act.handle)
                 self._leave(act, "error", ApiError(500, f"internal error: {type(e).__name__}: {e}",
                                                    kind="server_error"))
         now = time.perf_counter()
-        for ev in events:
-            act = self.active.get(ev.handle)
-            if act is None:
-                continue
-            self._send(act, ev.tokens, now)
-            if ev.error is not None:
-                status = 400 if isinstance(ev.error, GlanceError) else 500
-                kind = "invalid_request_error" if status == 400 else "server_error"
-                self._leave(act, "error", ApiError(status, str(ev.error), kind=kind), ev.stats)
-            elif ev.done:
-                max_tokens = act.job.request.max_tokens
-                stop = len(act.tokens) < max_tokens or (act.tokens and act.tokens[-1] in self.decoder.eos_ids)
-                self._leave(act, "stop" if stop else "length", stats=ev.stats)
         for act in list(self.active.values()):  # the client left, or the request ran out of time
             if act.job.cancelled.is_set() or now > act.job.deadline:
                 stats = self.batch.stats(act.handle)
                 self.batch.cancel(act.handle)
                 self._leave(act, "cancelled" if act.job.cancelled.is_set() else "timeout", stats=stats)
+
+    def _on_event(self, ev) -> None:
+        act = self.active.get(ev.handle)
+        if act is None:
+            return
+        self._send(act, ev.tokens, time.perf_counter())
+        if ev.error is not None:
+            status = 400 if isinstance(ev.error, GlanceError) else 500
+            kind = "invalid_request_error" if status == 400 else "server_error"
+            self._leave(act, "error", ApiError(status, str(ev.error), kind=kind), ev.stats)
+        elif ev.done:
+            max_tokens = act.job.request.max_tokens
+            stop = len(act.tokens) < max_tokens or (act.tokens and act.tokens[-1] in self.decoder.eos_ids)
+            self._leave(act, "stop" if stop else "length", stats=ev.stats)
 
     def _admit(self, job: Job) -> None:
         if job.cancelled.is_set():  # the client left while it waited
