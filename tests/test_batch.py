@@ -177,3 +177,20 @@ def test_draft_pass_of_a_batch_equals_each_alone():
     together = dp.forward_batch(items)
     for (slot, f, start, bonus, block_start), got in zip(items, together, strict=True):
         torch.testing.assert_close(got, dp(f, start, bonus, block_start, slot), rtol=1e-5, atol=1e-5)
+
+
+def test_decoders_on_one_target_share_its_prepared_weights():
+    """A second Decoder (or a batch's slots) costs its caches: prepared weight copies are made once per
+    target (`Target.layouts`) and shared; the caches grow with max_batch."""
+    from glance_rt.models.linear import PackedLinear
+
+    target, _, _ = tiny_target("llama")
+    drafter = glance_rt.init_drafter(target, block_size=4, seed=1)
+    one, two = (glance_rt.Decoder(target, drafter, prepack=True, max_length=64) for _ in range(2))
+    q = [d.verifier.stacks[0][0].self_attn.q_proj for d in (one, two)]
+    assert isinstance(q[0], PackedLinear) and q[0] is q[1]
+    model, processor = make_tiny("llama")
+    other = glance_rt.Decoder(glance_rt.load_target(model, processor=processor), None, prepack=True, max_length=64)
+    assert other.verifier.stacks[0][0].self_attn.q_proj is not q[0]  # another target: its own
+    wide = glance_rt.Decoder(target, drafter, prepack=True, max_length=64, max_batch=3)
+    assert wide.cache_bytes == 3 * one.cache_bytes > 0

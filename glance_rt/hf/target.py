@@ -2,7 +2,7 @@
 needs to know about it. `load_target` is the one way in."""
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +23,9 @@ class Target:
     processor: object | None  # the HF processor (VLMs) or tokenizer (text models), or None
     tokenizer: object | None
     eos_token_ids: frozenset
+    # prepared copies of the linear layers' weights (oneDNN-packed, transposed: `KernelPlan.linear`), made
+    # by the first Decoder that chooses each and shared by every later one on this target
+    layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def text_config(self):

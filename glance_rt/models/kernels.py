@@ -285,17 +285,20 @@ class KernelPlan:
     class (`row_classes`) and picks the set once per call by its row count: each linear layer is
     then the chosen kernel's module itself, with no per-layer dispatch (that cost ≈ 1.7 µs a call,
     ≈ 0.8% of a one-row decode step, measured). `linear(module, rows)` makes each (weight, kernel)
-    layout once, shared by the classes that choose it."""
+    layout once, shared by the classes that choose it, and by every plan given the same `layouts` (a
+    target's `Target.layouts`: Decoders on one target hold one copy of each prepared weight)."""
 
     layout_rows: int
     classes: tuple[int, ...] = ()
     tuner: KernelTuner | None = None
     plain: frozenset[int] = frozenset()  # row classes whose whole pass ran no faster than plain: torch's own
-    _made: dict = field(default_factory=dict, compare=False, repr=False)  # (id(weight), kernel) -> (weight, module)
+    # the weight layouts made: (id(weight), kernel, layout rows) -> (weight, module); pass a target's
+    # `layouts` to share them with every plan on that target (every Decoder's passes)
+    layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
     def made_plain(self, classes) -> "KernelPlan":
         """This plan with torch's own linear everywhere at `classes` (and the layouts made so far)."""
-        return replace(self, plain=frozenset(classes), _made=self._made)
+        return replace(self, plain=frozenset(classes), layouts=self.layouts)
 
     def row_classes(self) -> tuple[int, ...]:
         """The row classes this plan makes module sets for, ascending."""
@@ -321,10 +324,11 @@ class KernelPlan:
         kernel = ks[nearest_class(rows, tuple(ks))]
         if kernel == "mkl":
             return module
-        key = (id(module.weight), kernel)  # the value keeps the weight alive, so its id stays its own
-        if key not in self._made:
-            self._made[key] = (module.weight, kernel_module(kernel, module, self.layout_rows))
-        return self._made[key][1]
+        # the value keeps the weight alive, so its id stays its own; only oneDNN's layout depends on the rows
+        key = (id(module.weight), kernel, self.layout_rows if kernel == "onednn" else 0)
+        if key not in self.layouts:
+            self.layouts[key] = (module.weight, kernel_module(kernel, module, self.layout_rows))
+        return self.layouts[key][1]
 
 
 def with_plan(plan: KernelPlan | None, module: nn.Module, rows: int) -> nn.Module:

@@ -308,6 +308,16 @@ class Decoder:
         raise GlanceError(f"prepack={prepack!r}: use 'auto' (measure the kernels), True (oneDNN) or False (plain)")
 
     @property
+    def cache_bytes(self) -> int:
+        """Bytes of this decoder's static caches (the target's and the drafter's KV, every slot): with the
+        weights shared (`Target.layouts`), what a second Decoder on the same target costs."""
+        from glance_rt.models.kv_cache import KVCache
+
+        caches = [m for part in (self.verifier, self.drafter) if isinstance(part, torch.nn.Module)
+                  for m in part.modules() if isinstance(m, KVCache)]
+        return sum(b.numel() * b.element_size() for c in caches for b in c.buffers())
+
+    @property
     def kernel_choices(self) -> dict:
         """{"verify": {"OUTxIN": {rows: kernel}}, "draft": {...}}: the kernel each linear layer's shape
         runs at each row class ("mkl": torch's own linear, "onednn": prepacked); {} on plain weights."""

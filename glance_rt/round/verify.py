@@ -421,7 +421,7 @@ def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], k
         check_target(drafter.head.config, target)
     layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
     block = drafter.config.block_size if isinstance(drafter, GlanceDrafter) else getattr(drafter, "top_k", 1)
-    plans = kernel_plans(kernels, verify_rows, block)  # (an EAGLE-3 depth pass runs top_k rows)
+    plans = kernel_plans(kernels, verify_rows, block, target.layouts)  # (an EAGLE-3 depth pass runs top_k rows)
     plans = checked_plans(target, drafter, plans, layers)
     if isinstance(drafter, GlanceDrafter):
         drafter = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, max_len,
@@ -435,13 +435,15 @@ def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], k
     return verifier, drafter
 
 
-def kernel_plans(kernels, verify_rows: tuple[int, ...], block: int) -> tuple:
-    """(verifier's KernelPlan, draft pass's) for `round_modules`' `kernels`; (None, None): plain."""
+def kernel_plans(kernels, verify_rows: tuple[int, ...], block: int, layouts: dict | None = None) -> tuple:
+    """(verifier's KernelPlan, draft pass's) for `round_modules`' `kernels`; (None, None): plain.
+    `layouts`: the prepared weights to share (`Target.layouts`)."""
     if kernels is None:
         return None, None
     tuner = None if kernels is True else kernels
-    verify = KernelPlan(max(verify_rows), (*verify_rows, PREFILL_ROWS), tuner)
-    return verify, KernelPlan(block, (block, PREFILL_ROWS), tuner)
+    layouts = {} if layouts is None else layouts
+    verify = KernelPlan(max(verify_rows), (*verify_rows, PREFILL_ROWS), tuner, layouts=layouts)
+    return verify, KernelPlan(block, (block, PREFILL_ROWS), tuner, layouts=layouts)
 
 
 def static_graphs(target, drafter, max_len: int, exact: ExactNumerics | None = None) -> StaticGraphs:

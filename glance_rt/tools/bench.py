@@ -9,6 +9,7 @@ are per prompt (same prompt, same tokens) and summarised by their median and qua
 """
 
 import json
+import os
 import resource
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -195,6 +196,27 @@ def _peak_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process-wide on CPU (KB on Linux)
 
 
+def _resident_mb(device) -> float | None:
+    """Memory in use now: the CUDA allocator's on a GPU, the process's resident set on Linux, else None."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _footprint(runner, before: float | None, after: float | None) -> dict:
+    """What making (and warming) a method's runner added, in MB, and its Decoder's static caches: the first
+    Decoder on a target also makes the prepared weight copies every later one shares (`Target.layouts`)."""
+    import gc
+
+    gc.collect()
+    caches = runner.dec.cache_bytes / 2**20 if isinstance(runner, DecoderRunner) else None
+    added = None if before is None or after is None else after - before
+    return {"added": added, "caches": caches}
+
+
 def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=None, progress: bool = True,
               log=print, eagle3=None) -> dict:
     """Run every method on every prompt, interleaved; returns the report (partial if interrupted).
@@ -214,11 +236,13 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
     encoded = encode_rows(target, rows, images_dir)
     if cfg.max_length is None:
         cfg = replace(cfg, max_length=suite_max_length(encoded, cfg))
-    runners, skipped = {}, {}
+    runners, skipped, footprint = {}, {}, {}
     for m in cfg.methods:
         try:
             if m.partition("@")[0] != "adaptive":
+                before = _resident_mb(target.device)
                 runners[m] = make_runner(m, target, drafter, cfg, eagle3)
+                footprint[m] = _footprint(runners[m], before, _resident_mb(target.device))
         except Skip as e:
             skipped[m] = str(e)
             log(f"[bench] skipping {m}: {e}")
@@ -302,6 +326,7 @@ def run_bench(target, drafter, rows: list[dict], cfg: BenchConfig, images_dir=No
     report = build_report(records, skipped, mismatches, partial, target, cfg)
     report["engines"] = engines
     report["kernels"] = {m: r.dec.kernel_choices for m, r in runners.items() if isinstance(r, DecoderRunner)}
+    report["footprint_mb"] = footprint
     report["adaptive_buckets"] = [asdict(b) for b in policy.buckets] if policy is not None else None
     return report
 
@@ -531,6 +556,12 @@ def markdown(report: dict) -> str:
         lines += ["", f"Engine {name}: flavor {e['flavor']}{per_graph} ({e['chosen_by'] or 'not recorded'}), "
                   f"built on {where}"
                   + (" — **not this CPU: its kernel choice was made for another**" if e["same_cpu"] is False else "")]
+    foot = {m: f for m, f in (report.get("footprint_mb") or {}).items() if f.get("added") is not None}
+    if foot:
+        lines += ["", "Memory each method's runner added when made, in the order made (MB; the first Decoder on the "
+                  "target also makes the prepared weight copies later ones share), and its static caches: "
+                  + "; ".join(f"{m} +{f['added']:.0f}" + (f" (caches {f['caches']:.0f})" if f["caches"] else "")
+                              for m, f in foot.items())]
     if report["skipped"]:
         lines += ["", "Skipped: " + "; ".join(f"{m}: {why}" for m, why in report["skipped"].items())]
     return "\n".join(lines) + "\n"
