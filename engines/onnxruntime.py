@@ -17,6 +17,7 @@ from glance_rt.engines.ort_plugin import library_for
 from glance_rt.errors import require
 from glance_rt.export.onnx import export_onnx, exported_runners, written_rows
 from glance_rt.export.vision import VisionGraphs, export_vision
+from glance_rt.export.weights import share_weights, shared_initializers
 
 BACKEND = "onnxruntime"
 
@@ -40,10 +41,16 @@ def session_options(path: Path, flavor: str, threads: int | None = None):
     return so
 
 
-def _session(path: Path, info: dict, flavor: str):
+def _session(path: Path, info: dict, flavor: str, shared: dict):
+    """A session over one graph; its initializers in the folder's shared data file come from `shared`'s
+    one memory map of it (`glance_rt.export.weights.shared_initializers`): the engine's sessions hold
+    one copy of the weights, not one each."""
     import onnxruntime as ort
 
     so = session_options(path, flavor, torch.get_num_threads())
+    names, values = shared_initializers(path, info["file"], shared)
+    if names:
+        so.add_external_initializers(names, values)
     return ort.InferenceSession(str(path / info["file"]), so, providers=["CPUExecutionProvider"])
 
 
@@ -97,14 +104,16 @@ class BoundGraph:
 
 
 def runners(path: Path, manifest: dict, graphs) -> dict:
-    """The callables StaticPasses runs, one ONNX Runtime session per graph."""
+    """The callables StaticPasses runs, one ONNX Runtime session per graph (sharing the weights)."""
+    shared = {}
     return exported_runners(manifest, graphs, lambda info, name, bufs: BoundGraph(
-        _session(path, info, manifest["flavor"]), info, name, graphs, bufs))
+        _session(path, info, manifest["flavor"], shared), info, name, graphs, bufs))
 
 
 def vision(path: Path, manifest: dict, target):
     """The engine's vision graphs (one per image bucket) as a `prefill_inputs` for the Decoder."""
-    return VisionGraphs(target, path, manifest, lambda p, info: _session(p, info, "portable")).prefill_inputs
+    shared = {}
+    return VisionGraphs(target, path, manifest, lambda p, info: _session(p, info, "portable", shared)).prefill_inputs
 
 
 def _optimize(out: Path, key: str, info: dict, flavor: str) -> None:
@@ -139,11 +148,14 @@ def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, p
     exported = export_onnx(graphs, out, budgets, chain, chunk, flavor, opset, progress)
     for key, info in exported.items():
         _optimize(out, key, info, flavor)
+    optimized = [info["file"] for info in exported.values()]
     if image_sizes:
 
         manifest["vision"] = export_vision(target, out, image_sizes, opset, progress)
         for key, info in manifest["vision"].items():
             _optimize(out, key, info, "portable")
+        optimized += [info["file"] for info in manifest["vision"].values()]
+    share_weights(out, optimized)  # ONNX Runtime's optimized graphs too: each weight once
     libs = {"onnxruntime": metadata.version("onnxruntime"), "onnx": metadata.version("onnx")}
     manifest.update(flavor=flavor, graphs=exported, versions={**manifest["versions"], **libs},
                     session_options={"graph_optimization_level": "ORT_ENABLE_ALL",

@@ -33,6 +33,7 @@ from glance_rt.export.manifest import (
     write_manifest,
 )
 from glance_rt.export.vision import export_vision
+from glance_rt.export.weights import share_weights
 from glance_rt.round.verify import example_inputs, static_graphs, static_shapes
 
 FLAVORS = ("portable", "plugin")
@@ -195,7 +196,8 @@ def written_rows(graphs, name: str, args) -> torch.Tensor:
 def export_onnx(graphs, out, budgets, chain: bool, chunk: int, flavor: str = "portable", opset: int = 20,
                 progress: bool = True) -> dict:
     """Export every graph of `graphs` (StaticGraphs of a target + drafter) into `out` (resumable:
-    finished graphs are kept; each is written to a temporary name, checked, then renamed)."""
+    finished graphs are kept; each is written to a temporary name, checked, then renamed); then their
+    weights are moved into one shared data file (`glance_rt.export.weights`)."""
     require("onnx", "onnx", "onnxscript")
     import onnx
     from tqdm import tqdm
@@ -247,6 +249,7 @@ def export_onnx(graphs, out, budgets, chain: bool, chunk: int, flavor: str = "po
                                  for o in model.graph.output],
                      "tree_attention_nodes": sum(n.op_type == "TreeAttention" and n.domain == DOMAIN
                                                  for n in model.graph.node)}
+    share_weights(out, [i["file"] for i in info.values()])  # one copy of the weights for every graph
     (out / "GRAPHS.md").write_text("# ONNX graphs\n\n" + describe_graphs(info))
     return info
 

@@ -111,6 +111,9 @@ def export_vision(target, out: Path, sizes, opset: int, progress: bool = True) -
         info[key] = {"file": file.name, "image_size": list(size), "bucket": bucket, "inputs": shapes,
                      "outputs": [["image_features", list(feats.shape), str(feats.dtype).removeprefix("torch.")]]}
 
+    from glance_rt.export.weights import share_weights
+
+    share_weights(out, [i["file"] for i in info.values()])  # the vision tower once for every image size
     notes = "".join(f"- {info[k]['file']}: images of {w}x{h} pixels, bucket {info[k]['bucket']}\n"
                     for k, (w, h) in ((k, info[k]["image_size"]) for k in info))
     with open(out / "GRAPHS.md", "a") as f:

@@ -117,3 +117,28 @@ def test_build_engine_onnxruntime_and_cli_export(tmp_path_factory, tmp_path):
                                        "--chunk", "16", "--out", str(tmp_path / "x")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "x" / "GRAPHS.md").read_text().count("## ") == 2  # prefill, verify
+
+
+def test_an_export_holds_one_copy_of_the_weights(tmp_path):
+    """Five graphs (prefill, verify at two budgets, draft, context) share one data file holding each
+    weight once; sharing again changes nothing; the ONNX Runtime engine's sessions map it once."""
+    from glance_rt.export.weights import WEIGHTS, share_weights
+
+    target, model, processor = tiny_target("qwen2")
+    drafter = glance_rt.init_drafter(target, num_layers=2, block_size=4, seed=1)
+    out = tmp_path / "x"
+    export_model(target, drafter, out, budgets=(4, 8), max_len=96, chunk=8, progress=False)
+    assert [p.name for p in out.glob("*.data")] == [WEIGHTS]
+    params = {id(p): p.numel() * p.element_size() for m in (model, drafter) for p in m.parameters()}
+    size = (out / WEIGHTS).stat().st_size
+    head = target.parts.lm_head.weight
+    # each weight once (five graphs used to hold five copies), and the head's table twice: as the
+    # embedding's gather reads it and as the exporter folds its transpose for the logits' MatMul
+    assert size < 1.05 * (sum(params.values()) + head.numel() * head.element_size())
+    files = [g["file"] for g in json.loads((out / "manifest.json").read_text())["graphs"].values()]
+    assert len(files) == 5
+    again = share_weights(out, files)
+    assert again["bytes"] == size and again["references"] > again["tensors"] > 0
+    inputs = make_inputs("qwen2", processor)
+    dec = glance_rt.Decoder.from_engine(out, target, drafter)
+    assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(model, inputs, NEW)
