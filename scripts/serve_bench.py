@@ -3,8 +3,8 @@ then all at once by concurrent streaming clients: aggregate tokens/s, time to fi
 inter-chunk latency at p50/p90/p99, the server's per-token time (/metrics); against Hugging Face
 `generate` on one padded batch of the same prompts (the offline peer). Prints a table and JSON.
 
-    python scripts/serve_bench.py [--target PATH --drafter PATH] [--requests 8] [--clients 8]
-                                  [--max-tokens 40] [--batches 1,8] [--json OUT]
+    python scripts/serve_bench.py [--target PATH --drafter PATH] [--suite all|KIND|FILE] [--requests 8]
+                                  [--clients 8] [--max-tokens 40] [--batches 1,8] [--json OUT]
 
 Streaming sends one chunk per round (the tokens it committed), so the client-side inter-chunk gap is a
 round. Every served text is checked against the same server's sequential answer for that request.
@@ -166,7 +166,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target")
     ap.add_argument("--drafter")
-    ap.add_argument("--per-kind", type=int, default=2, help="prompts per kind of the built-in suite")
+    ap.add_argument("--suite", default="all", help="'all', a kind of the built-in suite (chat: short prompts), or a "
+                                                   "JSONL file")
+    ap.add_argument("--per-kind", type=int, default=2, help="prompts per kind of the suite")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=40)
@@ -179,9 +181,9 @@ def main():
 
     from glance_rt.tools.suites import suite_rows
 
-    rows = suite_rows("all", args.per_kind)
+    rows = suite_rows(args.suite, args.per_kind)
     prompts = [rows[i % len(rows)]["prompt"] for i in range(args.requests)]
-    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "max_tokens": args.max_tokens,
+    report = {"date": time.strftime("%Y-%m-%d %H:%M"), "max_tokens": args.max_tokens, "suite": args.suite,
               "method_args": args.method_args, "servers": []}
     for b in (int(x) for x in args.batches.split(",")):
         r = measure_server(args, prompts, b)
