@@ -17,7 +17,7 @@ from glance_rt.engines.ort_plugin import library_for
 from glance_rt.errors import require
 from glance_rt.export.onnx import export_onnx, exported_runners, written_rows
 from glance_rt.export.vision import VisionGraphs, export_vision
-from glance_rt.export.weights import share_weights, shared_initializers
+from glance_rt.export.weights import share_weights
 
 BACKEND = "onnxruntime"
 
@@ -41,16 +41,13 @@ def session_options(path: Path, flavor: str, threads: int | None = None):
     return so
 
 
-def _session(path: Path, info: dict, flavor: str, shared: dict):
-    """A session over one graph; its initializers in the folder's shared data file come from `shared`'s
-    one memory map of it (`glance_rt.export.weights.shared_initializers`): the engine's sessions hold
-    one copy of the weights, not one each."""
+def _session(path: Path, info: dict, flavor: str):
+    """A session over one graph. On disk the graphs share one data file; in memory each session holds
+    its own initializers (handing them the same memory map did not stop ONNX Runtime from copying them:
+    measured, docs/benchmarks.md 2026-12-05)."""
     import onnxruntime as ort
 
     so = session_options(path, flavor, torch.get_num_threads())
-    names, values = shared_initializers(path, info["file"], shared)
-    if names:
-        so.add_external_initializers(names, values)
     return ort.InferenceSession(str(path / info["file"]), so, providers=["CPUExecutionProvider"])
 
 
@@ -104,16 +101,14 @@ class BoundGraph:
 
 
 def runners(path: Path, manifest: dict, graphs) -> dict:
-    """The callables StaticPasses runs, one ONNX Runtime session per graph (sharing the weights)."""
-    shared = {}
+    """The callables StaticPasses runs, one ONNX Runtime session per graph."""
     return exported_runners(manifest, graphs, lambda info, name, bufs: BoundGraph(
-        _session(path, info, manifest["flavor"], shared), info, name, graphs, bufs))
+        _session(path, info, manifest["flavor"]), info, name, graphs, bufs))
 
 
 def vision(path: Path, manifest: dict, target):
     """The engine's vision graphs (one per image bucket) as a `prefill_inputs` for the Decoder."""
-    shared = {}
-    return VisionGraphs(target, path, manifest, lambda p, info: _session(p, info, "portable", shared)).prefill_inputs
+    return VisionGraphs(target, path, manifest, lambda p, info: _session(p, info, "portable")).prefill_inputs
 
 
 def _optimize(out: Path, key: str, info: dict, flavor: str) -> None:

@@ -6,8 +6,8 @@ export: 1.7 GB for three graphs of 538 MB). `share_weights` rewrites the graphs 
 every initializer of at least `MIN_BYTES` lives once, in one external-data file (`WEIGHTS`), each
 graph's initializers pointing at their bytes there (ONNX's external data: location, offset, length);
 identical tensors are found by content (SHA-256, dtype, shape), whatever the exporter named them.
-ONNX Runtime and TensorRT read such graphs as they are. `shared_initializers` gives a runtime the
-tensors as arrays over one memory map of that file, so sessions can take them without a copy each.
+ONNX Runtime and TensorRT read such graphs as they are (on disk; each ONNX Runtime session still holds
+its own copy in memory).
 
 Interruptible: the data file is only appended to (and flushed) before a graph that points into it is
 written under a temporary name and renamed over the old one; a graph's old data file is deleted once no
@@ -107,30 +107,3 @@ def _points_at(file: Path, location: str) -> bool:
         return False
     model = onnx.load(str(file), load_external_data=False)
     return any(_external(t).get("location") == location for t in _tensors(model))
-
-
-def shared_initializers(folder: Path, file: str, memo: dict) -> tuple[list[str], list]:
-    """The initializers of graph `file` that live in the shared data file, as (names, OrtValues) over one
-    read-only memory map of it (`memo` keeps the map and the values, so every session of a folder takes
-    the same memory): for `SessionOptions.add_external_initializers`."""
-    import numpy as np
-    import onnx
-    import onnxruntime as ort
-    from onnx import helper
-
-    model = onnx.load(str(Path(folder) / file), load_external_data=False)
-    names, values = [], []
-    for t in model.graph.initializer:
-        ext = _external(t)
-        if ext.get("location") != WEIGHTS:
-            continue
-        if "map" not in memo:
-            memo["map"] = np.memmap(Path(folder) / WEIGHTS, dtype=np.uint8, mode="r")
-        key = (int(ext["offset"]), t.data_type, tuple(t.dims))
-        if key not in memo:
-            dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
-            raw = memo["map"][key[0] : key[0] + int(ext["length"])]
-            memo[key] = ort.OrtValue.ortvalue_from_numpy(raw.view(dtype).reshape(key[2]))
-        names.append(t.name)
-        values.append(memo[key])
-    return names, values

@@ -121,7 +121,7 @@ def test_build_engine_onnxruntime_and_cli_export(tmp_path_factory, tmp_path):
 
 def test_an_export_holds_one_copy_of_the_weights(tmp_path):
     """Five graphs (prefill, verify at two budgets, draft, context) share one data file holding each
-    weight once; sharing again changes nothing; the ONNX Runtime engine's sessions map it once."""
+    weight once; sharing again changes nothing; ONNX Runtime runs the graphs losslessly."""
     from glance_rt.export.weights import WEIGHTS, share_weights
 
     target, model, processor = tiny_target("qwen2")
