@@ -10,37 +10,41 @@ from torch import Tensor, nn
 
 
 class KVCache(nn.Module):
-    """`k{i}`, `v{i}` [slots, kv_heads, max_len, head_dim] for every layer i: one slot per sequence a
-    batch decodes at once (`glance_rt.round.batch`; 1 for one sequence at a time). Rows are addressed by
-    token index within a slot; rejected scratch rows are simply overwritten later. Every method takes
-    the slot it works on (0 by default); with one slot the buffers are used whole, as fixed-shape graphs
-    want them."""
+    """`k{i}`, `v{i}` [1, kv_heads, slots * max_len, head_dim] for every layer i: `slots` sequences a batch
+    decodes at once (`glance_rt.round.batch`; 1 for one sequence at a time), slot s owning rows
+    [s * max_len, (s + 1) * max_len). Rows are addressed by token index within a slot; rejected scratch
+    rows are simply overwritten later. Every method takes the slot it works on (0 by default). Writes
+    are in-place scatters into the whole buffer whatever the slot (what compilers want of a cache);
+    reads of one slot are a slice of it."""
 
     def __init__(self, layers: int, kv_heads: int, max_len: int, head_dim: int, dtype, device, slots: int = 1):
         super().__init__()
-        self.layers = layers
+        self.layers, self.slots, self.rows = layers, slots, max_len
         for i in range(layers):
             for kind in "kv":
-                buf = torch.zeros(slots, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+                buf = torch.zeros(1, kv_heads, slots * max_len, head_dim, dtype=dtype, device=device)
                 self.register_buffer(f"{kind}{i}", buf, persistent=False)
 
     @property
     def max_len(self) -> int:
-        return self.k0.shape[2]
+        """Rows per slot."""
+        return self.rows
 
-    @property
-    def slots(self) -> int:
-        return self.k0.shape[0]
+    def _whole(self, layer: int) -> tuple[Tensor, Tensor]:
+        return getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
 
     def buffers_of(self, layer: int, slot: int = 0) -> tuple[Tensor, Tensor]:
         """Layer `layer`'s k, v of one slot: [1, KVH, max_len, D] each."""
-        kc, vc = getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
-        return (kc, vc) if kc.shape[0] == 1 else (kc[slot : slot + 1], vc[slot : slot + 1])
+        kc, vc = self._whole(layer)
+        if self.slots == 1:
+            return kc, vc
+        return kc.narrow(2, slot * self.rows, self.rows), vc.narrow(2, slot * self.rows, self.rows)
 
     def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor, slot: int = 0) -> None:
         """Write k, v [1, KVH, T, D] at cache rows `rows` [T] of `slot` in place (distinct, or a row repeated
         with the same k, v: a padded chunk)."""
-        kc, vc = self.buffers_of(layer, slot)
+        kc, vc = self._whole(layer)
+        rows = rows + slot * self.rows if slot else rows
         kc.index_copy_(2, rows, k)
         vc.index_copy_(2, rows, v)
 
@@ -56,6 +60,7 @@ class KVCache(nn.Module):
         """Copy rows `src` [k] (every layer, one slot) to `[dst_start, dst_start + k)`: the commit's
         compaction. Fixed-size callers pad `src` with `dst_start + i` (a row copied onto itself)."""
         dst = dst_start + torch.arange(src.shape[0], device=src.device)
-        for layer in range(self.layers):
-            for buf in self.buffers_of(layer, slot):
-                buf.index_copy_(2, dst, buf.index_select(2, src))  # gather first: overlapping ranges are safe
+        if slot:
+            src, dst = src + slot * self.rows, dst + slot * self.rows
+        for buf in self.buffers():
+            buf.index_copy_(2, dst, buf.index_select(2, src))  # gather first: overlapping ranges are safe
