@@ -537,7 +537,7 @@ def _method_decoder(method: Method, target_path, drafter_path, dtype, device, ma
     static caches are sized to the job (`glance_rt.method.job_max_length`) unless --max-length is
     given; an engine's are its manifest's, its target and drafter its sources unless overridden.
     `max_batch`: sequences decoded at once (`Decoder`); None: `DEFAULT_SERVE_BATCH` where the method runs
-    batched rounds (eager passes over a GLANCE drafter or none), else 1."""
+    batched rounds (eager or compiled passes over a GLANCE drafter or none), else 1."""
     from glance_rt.round.loop import Decoder
 
     if method.engine is not None:
@@ -560,8 +560,8 @@ def _method_decoder(method: Method, target_path, drafter_path, dtype, device, ma
     if max_batch is None:
         from glance_rt.method import default_backend
 
-        eager = (method.backend or default_backend(target.device)) in ("eager", "plain")
-        max_batch = DEFAULT_SERVE_BATCH if eager and not isinstance(drafter, Eagle3Drafter) else 1
+        batched = (method.backend or default_backend(target.device)) in ("eager", "plain", "compile")
+        max_batch = DEFAULT_SERVE_BATCH if batched and not isinstance(drafter, Eagle3Drafter) else 1
     return target, Decoder.from_method(method, target, drafter, max_length, max_batch=max_batch), encoded
 
 
@@ -689,7 +689,8 @@ def export(target_path, drafter_path, out, budgets, chain, max_length, chunk, op
 @click.option("--model-name", default=None, help="The model id /v1/models lists (default: the target's name).")
 @click.option("--max-batch", type=int, default=None,
               help=f"Requests decoded at once (continuous batching; a cache slot of --max-length rows each). "
-                   f"Default: {DEFAULT_SERVE_BATCH} where batched rounds run (eager passes), else 1.")
+                   f"Default: {DEFAULT_SERVE_BATCH} where batched rounds run (eager or compiled passes; not engines "
+                   f"or EAGLE-3 heads), else 1.")
 @click.option("--api-key", envvar="GLANCE_RT_API_KEY", default=None,
               help="Every /v1 request must send 'Authorization: Bearer KEY' (401 otherwise; /health and /metrics "
                    "stay open). Required to bind anywhere but loopback. Env: GLANCE_RT_API_KEY.")

@@ -3,6 +3,8 @@ alone, on every architecture, with mixed prompt lengths and images, sequences fi
 rounds and joining as slots free, mixed sampling settings, the gate and prompt lookup; in exact numerics
 a batched verify row has a one-sequence pass's bits."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -157,10 +159,12 @@ def test_batched_decoding_refuses_what_it_cannot_run():
     for bad in (0, -1, 1.5):
         with pytest.raises(glance_rt.GlanceError, match="max_batch must be"):
             glance_rt.Decoder(target, drafter, max_batch=bad)
-    with pytest.raises(glance_rt.GlanceError, match="eager backend"):
-        glance_rt.Decoder(target, drafter, backend="compile", max_batch=2)
-    with pytest.raises(glance_rt.GlanceError, match="eager backend"):
+    with pytest.raises(glance_rt.GlanceError, match="eager or compile backend"):
         glance_rt.Decoder(target, glance_rt.init_eagle3(target, seed=0), max_batch=2)
+    with pytest.raises(glance_rt.GlanceError, match="engines decode one sequence"):
+        glance_rt.Decoder.from_method(replace(glance_rt.Method(), engine="/no/engine"), target, drafter, max_batch=2)
+    with pytest.raises(glance_rt.GlanceError, match="device_round"):
+        glance_rt.Decoder(target, drafter, backend="compile", max_batch=2, device_round=True)
 
 
 def test_draft_pass_of_a_batch_equals_each_alone():
@@ -194,3 +198,23 @@ def test_decoders_on_one_target_share_its_prepared_weights():
     assert other.verifier.stacks[0][0].self_attn.q_proj is not q[0]  # another target: its own
     wide = glance_rt.Decoder(target, drafter, prepack=True, max_length=64, max_batch=3)
     assert wide.cache_bytes == 3 * one.cache_bytes > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_compiled_batches_are_lossless_and_never_recompile(arch):
+    """backend="compile", max_batch=3: a graph per (slots, rows) bucket, all compiled by warmup(); then
+    batches that join, leave and mix trees, lookup rounds and one-row steps add no graph, and every
+    sequence gets HF greedy's tokens."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    target, model, processor = tiny_target(arch)
+    drafter = glance_rt.init_drafter(target, block_size=4, seed=1)
+    dec = glance_rt.Decoder(target, drafter, tree_budget=6, backend="compile", chunk=8, max_length=256,
+                            max_batch=3, prepack=False).warmup()
+    warm = counters["stats"]["unique_graphs"]
+    reqs = requests(arch, processor) + [make_inputs(arch, processor, prompt="Count: one two three one two three")]
+    results = Batch(dec).run([dict(r, max_new_tokens=n) for r, n in zip(reqs, (*NEW, 18), strict=True)])
+    for r, n, res in zip(reqs, (*NEW, 18), results, strict=True):
+        assert res.token_ids == hf_greedy(model, r, n)
+    assert counters["stats"]["unique_graphs"] == warm

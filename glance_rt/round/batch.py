@@ -22,7 +22,10 @@ Each sequence's tokens are the ones it gets decoded alone: greedy tokens are the
 given the exact prefix, and sampled ones come from its own seeded generator; only the floating-point
 rounding of a row may differ with its neighbours in a GEMM (so in fast numerics, near ties as between
 any two engines; with `numerics="exact"` every row gets a one-row step's bits, so not even those).
-Batched passes run eagerly; compiled and engine backends run one sequence (`max_batch=1`). A
+Batched passes run eagerly or compiled (`StaticGraphs.verify_batch` / `draft_batch`: a graph per
+(slots, rows) bucket, each tree padded to the step's longest, free slots padded; CUDA graphs on a GPU;
+`Decoder.warmup` compiles every bucket, so sequences joining and leaving never recompile); engines run
+one sequence (`max_batch=1`). A
 sequence's `Stats` count its own rounds, tokens and draft passes; its phase timings and round seconds
 are wall time, so they include the batch's other sequences' work in the same step (and each sequence's
 draft gate, which weighs its drafted rounds against its one-row steps by those seconds, learns on its

@@ -180,7 +180,8 @@ class Decoder:
 
     `max_batch`: sequences the caches hold at once (one slot each, `max_length` rows a slot), decoded
     together by a `glance_rt.round.batch.Batch` (one draft pass and one verify pass a round for all of
-    them; eager backend, a GLANCE drafter or none). `generate`, `rounds` and `stream` use slot 0.
+    them; eager or compile backend, a GLANCE drafter or none; compiled: a graph per (slots, rows) bucket,
+    `warmup` compiles them all). `generate`, `rounds` and `stream` use slot 0.
     """
 
     def __init__(self, target, drafter=None, tree_budget: "int | AdaptiveBudget | None" = None, chain: bool = False,
@@ -236,10 +237,11 @@ class Decoder:
         self.verifier, self.drafter = round_modules(target, drafter, max_length, verify_rows, kernels,
                                                     self.backend.fuse, exact, max_batch)
         self.grows_tree = isinstance(self.drafter, Eagle3Pass)  # its own tree (EAGLE-3), else build_tree's
-        if max_batch > 1 and (self.backend.name != "eager" or not isinstance(self.drafter, (DraftPass, type(None)))):
-            raise GlanceError(f"max_batch={max_batch}: batched rounds run the eager backend over a GLANCE drafter or "
-                              "none (compiled graphs, engines, EAGLE-3 heads and other drafter objects decode one "
-                              "sequence at a time: use max_batch=1)")
+        if max_batch > 1 and (self.backend.name not in ("eager", "compile")
+                              or not isinstance(self.drafter, (DraftPass, type(None)))):
+            raise GlanceError(f"max_batch={max_batch}: batched rounds run the eager or compile backend over a GLANCE "
+                              "drafter or none (engines, EAGLE-3 heads and other drafter objects decode one sequence "
+                              "at a time: use max_batch=1)")
         vocab = getattr(self.drafter, "draft_vocab", None)  # draft-logit column -> token id, or None
         self.draft_vocab = None if vocab is None else vocab.cpu().numpy()
         self.mrope = self.verifier.mrope
@@ -347,10 +349,11 @@ class Decoder:
     def _device_round(self, asked: bool | None) -> bool:
         """Whether drafted greedy rounds run as one graph on the device (`StaticPasses.round`): asked
         True, or None on a CUDA device whose passes have the graph (compile)."""
-        able = self.drafter is not None and getattr(self.passes, "has_round", False)
+        able = self.drafter is not None and getattr(self.passes, "has_round", False) and self.max_batch == 1
         if asked and not able:
-            raise GlanceError("device_round=True runs a drafted round as one compiled graph: it needs a drafter and "
-                              "the compile backend (engines and eager passes build the tree on the host)")
+            raise GlanceError("device_round=True runs a drafted round as one compiled graph: it needs a drafter, "
+                              "the compile backend and max_batch=1 (engines, eager passes and batched rounds build "
+                              "the tree on the host)")
         return able and (asked if asked is not None else self.target.device.type == "cuda")
 
     def _lookup_budget(self, rows: int | None) -> int:

@@ -140,6 +140,28 @@ class StaticGraphs(nn.Module):
     def draft(self, ctx: Tensor, ctx_start: Tensor, bonus: Tensor, block_start: Tensor) -> Tensor:
         return self.draft_pass.step(ctx, ctx_start, bonus, block_start, self.max_len)
 
+    def verify_batch(self, tokens: Tensor, positions: Tensor, starts: Tensor, masks: Tensor, parents: Tensor):
+        """The verify pass of the sequences in cache slots 0..S-1 at once (S = masks.shape[0], T rows each:
+        tokens [S*T], positions [1, S*T] / [3, 1, S*T], starts [S], masks [S, T, T], parents [S, T]) ->
+        logits [S*T, V], features [S*T, F], greedy [S*T], paths [S, min(T, R)] (`verify`'s, per slot)."""
+        slots, t = masks.shape[0], masks.shape[1]
+        rows = torch.arange(t, device=tokens.device)
+        segments = tuple(Segment(i, i * t, t, starts[i] + rows, masks[i], self.max_len) for i in range(slots))
+        logits, feats = self.verifier.forward_batch(self.verifier.embed_tokens(tokens)[None], positions, segments)
+        greedy = logits.argmax(-1)  # [S*T]
+        depth = min(t, self.ctx_rows) - 1
+        paths = [accept_path(parents[i], tokens[i * t : (i + 1) * t], greedy[i * t : (i + 1) * t], depth)
+                 for i in range(slots)]
+        return logits, feats, greedy, torch.stack(paths)
+
+    def draft_batch(self, ctx: Tensor, ctx_start: Tensor, bonus: Tensor, block_start: Tensor) -> Tensor:
+        """The draft pass of the sequences in cache slots 0..S-1 at once: ctx [S, R, F], ctx_start, bonus,
+        block_start [S] -> draft logits [S, B-1, V]."""
+        slots = ctx.shape[0]
+        self.draft_pass.contexts(tuple((i, ctx[i], ctx_start[i]) for i in range(slots)))
+        return torch.stack(self.draft_pass.blocks(tuple((i, bonus[i], block_start[i], self.max_len)
+                                                        for i in range(slots))))
+
     def context(self, ctx: Tensor, ctx_start: Tensor) -> Tensor:
         self.draft_pass.context(ctx, ctx_start)
         return self._zero + 0  # exporters want an output
@@ -201,6 +223,7 @@ class StaticShapes:
     block_size: int  # B (1 without a drafter)
     ctx_rows: int  # R: the draft pass's context rows, the longest accepted path (`max_depth` + 1; 1 without one)
     exact_prefill: bool = False  # the prefill graph takes any row count from MIN_PREFILL_ROWS: one pass
+    batch_buckets: tuple[int, ...] = (1,)  # cache slots a batched graph covers (`batch_buckets`)
 
 
 MIN_PREFILL_ROWS = 2  # exporters specialise a dimension of size 1: a one-token prompt is padded to 2
@@ -247,9 +270,11 @@ class StaticPasses:
         reps[dim] = rows - n
         return torch.cat([x, last.repeat(*reps)], dim)
 
-    def prefill(self, embeds: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def prefill(self, embeds: Tensor, positions: Tensor, slot: int = 0) -> tuple[Tensor, Tensor]:
         if "prefill" not in self.fns:  # the prompt in one exact-length pass (see compiled_fns)
-            return EagerPasses(self.graphs.verifier, None).prefill(embeds, positions)
+            return EagerPasses(self.graphs.verifier, None).prefill(embeds, positions, slot)
+        if slot:
+            raise GlanceError("an engine's prefill graph fills one cache slot: engines decode one sequence at a time")
         p = embeds.shape[1]
         c = max(p, MIN_PREFILL_ROWS) if self.shapes.exact_prefill else self.shapes.chunk
         feats, logits = [], None
@@ -320,11 +345,69 @@ class StaticPasses:
         run = [int(t) for t in host[k + 1 : k + len(path)]] + [int(host[2 * k])]
         return DeviceRound(path, run, feats[: len(path)], host[2 * k + 1], host[2 * k + 2])
 
-    def commit(self, path: list[int], start: int) -> None:
+    def commit(self, path: list[int], start: int, slot: int = 0) -> None:
         if path != list(range(len(path))):
             r = self.shapes.ctx_rows
             src = [start + i for i in path] + [start + i for i in range(len(path), r)]  # fixed R rows
-            self.cache.move_rows(self._t(src), self._t(start))
+            self.cache.move_rows(self._t(src), self._t(start), slot)
+
+    def _slots(self, calls: list) -> int:
+        """The batch bucket covering the calls' slots: graphs run slots 0..S-1 (free ones as padding)."""
+        need = max(slot for slot, _ in calls) + 1
+        bucket = next((b for b in self.shapes.batch_buckets if b >= need), None)
+        if bucket is None:
+            raise GlanceError(f"slot {need - 1} is past this decoder's batch buckets {self.shapes.batch_buckets}")
+        return bucket
+
+    def verify_batch(self, calls: list) -> list:
+        """`EagerPasses.verify_batch` through the fixed-shape `verify_batch` graph of the batch bucket and the
+        longest tree's rows T (one of the decoder's verify shapes): each tree padded to T rows (a padded row
+        sees itself alone and writes a scratch row past its tree), free slots padded with rows of nothing."""
+        if len(calls) == 1 and calls[0][0] == 0:
+            return [self.verify(*calls[0][1])]
+        slots, t, dev = self._slots(calls), max(args[1].shape[0] for _, args in calls), self.device
+        tokens = torch.zeros(slots, t, dtype=torch.long, device=dev)
+        lead = (3, 1) if self.graphs.verifier.mrope else (1,)
+        positions = torch.zeros(*lead, slots, t, dtype=torch.long, device=dev)
+        starts = torch.zeros(slots, dtype=torch.long, device=dev)
+        masks = torch.eye(t, dtype=torch.bool, device=dev).repeat(slots, 1, 1)
+        parents = torch.full((slots, t), -1, dtype=torch.long, device=dev)
+        for slot, (tree, tok, pos, start, mask) in calls:
+            n = tok.shape[0]
+            tokens[slot, :n], starts[slot] = tok, start
+            positions[..., slot, :] = self._pad_rows(pos, t, pos.dim() - 1)
+            masks[slot, :n, :n] = mask
+            parents[slot, :n] = torch.from_numpy(tree.parent).to(dev)
+        logits, feats, greedy, paths = self.fns["verify_batch"](
+            tokens.reshape(-1), positions.reshape(*lead, -1), starts, masks, parents)
+        greedy, paths = greedy.cpu().numpy(), paths.tolist()
+        out = []
+        for slot, (_, tok, *_) in calls:
+            rows_of = slice(slot * t, slot * t + tok.shape[0])
+            out.append((logits[rows_of], feats[rows_of], greedy[rows_of], [i for i in paths[slot] if i >= 0]))
+        return out
+
+    def draft_batch(self, calls: list) -> list:
+        """`EagerPasses.draft_batch` through the fixed-shape `draft_batch` graph: each sequence's context
+        rows but its last 1..R go through the drafter's context pass eagerly (after a prefill: the
+        prompt's), the rest into the graph padded to R rows; free slots padded."""
+        if len(calls) == 1 and calls[0][0] == 0:
+            return [self.draft(*calls[0][1])]
+        slots, r, dev = self._slots(calls), self.shapes.ctx_rows, self.device
+        draft = self.graphs.draft_pass
+        width = calls[0][1][0].shape[1]
+        ctx = torch.zeros(slots, r, width, dtype=calls[0][1][0].dtype, device=dev)
+        ctx_start, bonus = (torch.zeros(slots, dtype=torch.long, device=dev) for _ in range(2))
+        block_start = torch.full((slots,), r, dtype=torch.long, device=dev)
+        for slot, (feats, start, b, block) in calls:
+            m = feats.shape[0]
+            tail = (m - 1) % r + 1
+            if m > tail:
+                draft.context(feats[: m - tail], self._t(start), slot)
+            ctx[slot] = self._pad_rows(feats[m - tail :], r, 0)
+            ctx_start[slot], bonus[slot], block_start[slot] = start + m - tail, b, block
+        logits = self.fns["draft_batch"](ctx, ctx_start, bonus, block_start)  # [S, B-1, V]
+        return [logits[slot] for slot, _ in calls]
 
 
 def compiled_fns(graphs: StaticGraphs) -> dict:
@@ -341,11 +424,19 @@ def compiled_fns(graphs: StaticGraphs) -> dict:
     names = (*GRAPHS[1:], "round") if graphs.draft_pass is not None else GRAPHS[1:2]
     if isinstance(graphs.draft_pass, Eagle3Pass):  # EAGLE-3: its context and depth passes (the tree on the host)
         names = ("verify", *EAGLE3_GRAPHS)
+    if graphs.verifier.cache.slots > 1:  # batched rounds: a graph per (slots, rows) bucket, compiled as they come
+        names = (*names, "verify_batch", *(("draft_batch",) if graphs.draft_pass is not None else ()))
     return {n: torch.compile(getattr(graphs, n), fullgraph=True, dynamic=False, mode=mode) for n in names}
 
 
 def static_shapes(graphs: StaticGraphs, chunk: int, exact_prefill: bool = False) -> StaticShapes:
-    return StaticShapes(chunk, graphs.block_size, graphs.ctx_rows, exact_prefill)
+    return StaticShapes(chunk, graphs.block_size, graphs.ctx_rows, exact_prefill,
+                        batch_buckets(graphs.verifier.cache.slots))
+
+
+def batch_buckets(slots: int) -> tuple[int, ...]:
+    """The slot counts batched graphs are built for: powers of two below `slots`, and `slots`."""
+    return tuple(sorted({*(2**i for i in range(slots.bit_length()) if 2**i < slots), slots}))
 
 
 def verify_rows(budget: int, chain: bool, block_size: int) -> int:
@@ -397,6 +488,22 @@ def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
             chain_t, len_t = lookup_tensors((0, []), b - 1, budget, chain, dev)
             out[f"round-{budget}"] = (*out["draft"][:2], zero(), torch.tensor(r, device=dev), zero(), chain_t, len_t,
                                       chain)
+    for slots in shapes.batch_buckets[1:]:  # batched rounds: a verify graph per (slots, rows), a draft per slots
+        for budget in budgets:
+            t = verify_rows(budget, chain, b)
+            lead = (3, 1) if mrope else (1,)
+            out[f"verify_batch-{slots}x{t}"] = (
+                torch.zeros(slots * t, dtype=torch.long, device=dev),
+                torch.zeros(*lead, slots * t, dtype=torch.long, device=dev),
+                torch.zeros(slots, dtype=torch.long, device=dev),
+                torch.eye(t, dtype=torch.bool, device=dev).repeat(slots, 1, 1),
+                torch.full((slots, t), -1, dtype=torch.long, device=dev))
+        if graphs.draft_pass is not None and not isinstance(graphs.draft_pass, Eagle3Pass):
+            width = len(graphs.verifier.feature_layers) * hidden
+            out[f"draft_batch-{slots}"] = (torch.zeros(slots, r, width, dtype=dtype, device=dev),
+                                           torch.zeros(slots, dtype=torch.long, device=dev),
+                                           torch.zeros(slots, dtype=torch.long, device=dev),
+                                           torch.full((slots,), r, dtype=torch.long, device=dev))
     return out
 
 
