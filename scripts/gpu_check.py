@@ -762,6 +762,51 @@ def timings_section(run: Run) -> dict:
     return res
 
 
+def batch_section(run: Run) -> dict:
+    """Issue 40 on this device: aggregate tokens/s of `--batch-size` sequences decoded together (Batch,
+    compile backend: CUDA graphs per (slots, rows) bucket) against the same sequences one after another
+    (max_batch=1), autoregression at the first --models shapes (random weights, bf16), and how many
+    batched sequences commit their alone tokens (bf16 fast numerics: rounding may differ; counted)."""
+    import glance_rt
+
+    torch._dynamo.reset()
+    dtype = torch.float32 if run.args.cpu else torch.bfloat16
+    cfg = TOY if run.args.cpu else MODELS[run.args.models.split(",")[0]]
+    target = build_target(cfg, dtype, run.device)
+    n, new = run.args.batch_size, 64
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"input_ids": torch.randint(0, target.vocab_size, (1, 32 + 8 * i), generator=gen).to(run.device)}
+               for i in range(n)]
+    res = {"batch": n, "max_new_tokens": new, "dtype": str(dtype)}
+    alone, together = [], []
+    for slots in (1, n):
+        if run.left() < run.args.floor:
+            res[f"batch_{slots}"] = "skipped: deadline"
+            continue
+        t = time.perf_counter()
+        dec = glance_rt.Decoder(target, None, backend="compile", max_length=512, max_batch=slots)
+        dec.passes.warmup(dec.budgets, dec.chain)
+        warm = round(time.perf_counter() - t, 1)
+        batch = glance_rt.Batch(dec)
+        batch.run([dict(p, max_new_tokens=4) for p in prompts])  # first-call costs of every bucket
+        run.sync()
+        t = time.perf_counter()
+        if slots == 1:  # one after another
+            out = alone = [batch.run([dict(p, max_new_tokens=new)])[0].token_ids for p in prompts]
+        else:
+            out = together = [r.token_ids for r in batch.run([dict(p, max_new_tokens=new) for p in prompts])]
+        run.sync()
+        wall = time.perf_counter() - t
+        res[f"batch_{slots}"] = {"tok_s": round(sum(map(len, out)) / wall, 1), "wall_s": round(wall, 2),
+                                 "warmup_s": warm}
+        print("batch", slots, res[f"batch_{slots}"], flush=True)
+        del dec, batch
+    if alone and together:
+        res["speedup"] = round(res[f"batch_{n}"]["tok_s"] / res["batch_1"]["tok_s"], 2)
+        res["same_tokens"] = f"{sum(a == b for a, b in zip(alone, together, strict=True))}/{n}"
+    return res
+
+
 # --------------------------------------------------------------------------------------------- gpu tests
 
 
@@ -919,6 +964,11 @@ def summary(report: dict) -> None:
         if isinstance(fig, dict):
             print(f"real {dtype}: tok/s {fig['tok_s']} | tau {fig['tau']} | == {fig['reference']}: "
                   f"{fig['equal_reference']}")
+    ba = report.get("batch", {})
+    n = ba.get("batch")
+    if isinstance(ba.get("batch_1"), dict) and "speedup" in ba:
+        print(f"batch (issue 40): {n} sequences at {ba['speedup']}x the tokens/s of one after another "
+              f"({ba['batch_1']['tok_s']} -> {ba[f'batch_{n}']['tok_s']}); same tokens {ba['same_tokens']}")
     print("tensorrt:", report.get("tensorrt", {}).get("status"))
 
 
@@ -951,7 +1001,8 @@ def parse_args(argv=None):
     ap.add_argument("--per-kind", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--real-new-tokens", type=int, default=128)
-    ap.add_argument("--sections", default="kernel,lossless,numerics,timings,gpu_tests,real,tensorrt")
+    ap.add_argument("--sections", default="kernel,lossless,numerics,timings,gpu_tests,real,batch,tensorrt")
+    ap.add_argument("--batch-size", type=int, default=8, help="batch section: sequences decoded together")
     tools = ap.add_argument_group("tools (no measuring)")
     tools.add_argument("--plan", metavar="JSON", help="print the wheels to carry (name==version), write the plan")
     tools.add_argument("--size", metavar="DIR", help="check tree + DIR against the travel budget")
@@ -977,7 +1028,7 @@ def main():
     run.report["env"] = environment(args)
     sections = {"kernel": kernel_section, "lossless": lossless_section, "numerics": numerics_section,
                 "gpu_tests": gpu_tests_section, "timings": timings_section, "real": real_section,
-                "tensorrt": tensorrt_section}
+                "batch": batch_section, "tensorrt": tensorrt_section}
     for name in args.sections.split(","):
         run.section(name, sections[name])
     summary(run.report)

@@ -152,6 +152,7 @@ def test_cpu_run_of_every_section(tmp_path):
     assert {"device_round_4_ms", "device_round_8_ms"} <= set(toy["compile"])  # --cpu runs the device rounds too
     assert {"ar_step", "draft", "verify_8", "round_8"} <= set(toy["profile"]) and toy["profile"]["draft"]
     assert toy["hf_static"]["step_ms"] > 0 and "hf_static/ar_step" in toy["ratios"]
+    assert r["batch"]["batch_8"]["tok_s"] > 0 and "speedup" in r["batch"] and "same_tokens" in r["batch"]
 
 
 def _pypi_reachable() -> bool:
