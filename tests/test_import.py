@@ -20,11 +20,11 @@ def test_lazy_names_resolve():
     from glance_rt import errors, method
     from glance_rt.hf import target
     from glance_rt.models import drafter, eagle3
-    from glance_rt.round import gate, loop, sample
+    from glance_rt.round import batch, gate, loop, sample
 
     homes = {"load_target": target, "Target": target, "init_drafter": drafter, "load_drafter": drafter,
              "GlanceDrafter": drafter, "DrafterConfig": drafter, "init_eagle3": eagle3, "load_eagle3": eagle3,
-             "Decoder": loop, "GenerateResult": loop,
+             "Decoder": loop, "GenerateResult": loop, "Batch": batch,
              "Stats": loop, "Method": method, "GlanceError": errors, "GlanceWarning": errors, "Sampling": sample,
              "GateConfig": gate}
     assert set(glance_rt.__all__) == {*homes, "__version__"}
