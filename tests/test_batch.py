@@ -218,3 +218,28 @@ def test_compiled_batches_are_lossless_and_never_recompile(arch):
     for r, n, res in zip(reqs, (*NEW, 18), results, strict=True):
         assert res.token_ids == hf_greedy(model, r, n)
     assert counters["stats"]["unique_graphs"] == warm
+
+
+def test_a_batched_pass_is_charged_to_its_sequences_by_what_they_add():
+    """The draft gate weighs a sequence's rounds by its share of each batched pass: a draft pass evenly;
+    a verify pass by tree rows over a fixed part fitted on the recent passes (seconds = a + b * rows)."""
+    from glance_rt.round.batch import _Sequence
+    from glance_rt.round.loop import Call
+
+    target, _, _ = tiny_target("llama")
+    batch = Batch(glance_rt.Decoder(target, None, max_batch=2))
+
+    def seqs(*rows):
+        return [_Sequence(i, i, pending=Call("verify", (None, torch.zeros(r)))) for i, r in enumerate(rows)]
+
+    a, b = seqs(9, 1)
+    batch._share("verify", [a, b], 0.6)  # no fit yet: by rows
+    assert a.spent == pytest.approx(0.54) and b.spent == pytest.approx(0.06)
+    for total in (10, 20, 40):  # passes on the line 0.5 + 0.01 * rows
+        batch._share("verify", seqs(total - 1, 1), 0.5 + 0.01 * total)
+    a, b = seqs(9, 1)
+    batch._share("verify", [a, b], 0.6)
+    assert a.spent == pytest.approx(0.25 + 0.09) and b.spent == pytest.approx(0.25 + 0.01)
+    a, b = seqs(9, 1)
+    batch._share("draft", [a, b], 0.3)
+    assert a.spent == b.spent == pytest.approx(0.15)

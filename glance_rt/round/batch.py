@@ -27,17 +27,21 @@ Batched passes run eagerly or compiled (`StaticGraphs.verify_batch` / `draft_bat
 `Decoder.warmup` compiles every bucket, so sequences joining and leaving never recompile); engines run
 one sequence (`max_batch=1`). A
 sequence's `Stats` count its own rounds, tokens and draft passes; its phase timings and round seconds
-are wall time, so they include the batch's other sequences' work in the same step (and each sequence's
-draft gate, which weighs its drafted rounds against its one-row steps by those seconds, learns on its
-own).
+are wall time, so they include the batch's other sequences' work in the same step. The draft gate
+weighs a sequence's rounds by what they cost it in the batch instead: its own host work and its share
+of each batched pass (a verify pass by its tree rows, over a fixed part shared evenly), so where a
+batch makes the passes compute-bound (a CPU) a sequence whose trees commit little takes one-row
+steps; the sequences' gates learn one shared model (`GateModel`).
 """
 
+import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from glance_rt.errors import GlanceError
-from glance_rt.round.gate import DraftGate
+from glance_rt.round.gate import DraftGate, GateModel
 from glance_rt.round.loop import Call, Decoder, GenerateResult, Stats
 from glance_rt.round.sample import GREEDY, Sampling
 
@@ -61,9 +65,21 @@ class Event:
 class _Sequence:
     handle: int
     slot: int
-    coroutine: object
-    stats: Stats
+    coroutine: object = None  # Decoder.sequence's (set once the sequence's cost clock exists)
+    stats: Stats | None = None
     pending: Call | None = None  # the batched pass it waits for
+    spent: float = 0.0  # seconds it has cost: its own work, and its share of each batched pass
+    since: float | None = None  # when its coroutine last resumed (while it runs)
+
+    def cost(self) -> float:
+        """`Decoder.sequence`'s cost clock."""
+        return self.spent + (time.perf_counter() - self.since if self.since is not None else 0.0)
+
+    def resume(self) -> None:
+        self.since = time.perf_counter()
+
+    def pause(self) -> None:
+        self.spent, self.since = self.cost(), None
 
 
 class Batch:
@@ -72,6 +88,9 @@ class Batch:
 
     def __init__(self, decoder: Decoder):
         self.decoder, self.passes = decoder, decoder.passes
+        # the draft gates of its sequences learn together, from what a round costs in the batch
+        self.gate_model = None if decoder.gate is None else GateModel(decoder.gate.config)
+        self._passes: deque = deque(maxlen=64)  # (tree rows, seconds) of the recent verify passes
         self.free = list(range(decoder.max_batch))
         self.sequences: dict[int, _Sequence] = {}
         self._next = 0
@@ -90,11 +109,10 @@ class Batch:
         if not self.free:
             raise GlanceError(f"the batch is full ({self.decoder.max_batch} sequences): step until one finishes, "
                               "or build the Decoder with a larger max_batch")
-        gate = None if self.decoder.gate is None else DraftGate(self.decoder.gate.config)  # its own round history
-        stats = Stats()
-        coroutine = self.decoder.sequence(max_new_tokens, stats, sampling, inputs, gate)
+        gate = None if self.gate_model is None else DraftGate(self.gate_model.config, self.gate_model)
         handle, self._next = self._next, self._next + 1
-        self.sequences[handle] = _Sequence(handle, self.free.pop(0), coroutine, stats)
+        seq = self.sequences[handle] = _Sequence(handle, self.free.pop(0), stats=Stats())
+        seq.coroutine = self.decoder.sequence(max_new_tokens, seq.stats, sampling, inputs, gate, seq.cost)
         return handle
 
     def cancel(self, handle: int) -> None:
@@ -120,7 +138,9 @@ class Batch:
                 if not waiting:
                     continue
                 try:
+                    start = time.perf_counter()
                     results = self._batched(name, waiting)
+                    self._share(name, waiting, time.perf_counter() - start)
                 except Exception as e:  # a pass that fails fails every sequence in it
                     for seq in waiting:
                         yield self._end(seq, [], e)
@@ -155,8 +175,9 @@ class Batch:
     def _advance(self, seq: _Sequence, value):
         """Send `value` into the sequence and run it on to its next batched call (prefill and commit run at
         once, in its slot): yields an Event of the tokens it commits on the way (after a prefill at once),
-        or of its end when it finishes or fails."""
+        or of its end when it finishes or fails. Its time counts to its cost, not the consumer's."""
         tokens = []
+        seq.resume()
         try:
             while True:
                 item = seq.coroutine.send(value)
@@ -170,15 +191,48 @@ class Batch:
                     if item.name == "commit" or not tokens:
                         value = self._single(item, seq.slot)
                         continue
+                    seq.pause()
                     yield Event(seq.handle, tokens)  # the prefill's token goes out before the round
+                    seq.resume()
                     tokens, value = [], self._single(item, seq.slot)
         except StopIteration:
+            seq.pause()
             yield self._end(seq, tokens)
             return
         except Exception as e:
+            seq.pause()
             yield self._end(seq, tokens, e)
             return
+        seq.pause()
         yield Event(seq.handle, tokens)
+
+    def _share(self, name: str, waiting: list[_Sequence], seconds: float) -> None:
+        """Charge a batched pass to its sequences. A draft pass evenly (each drafts one block); a verify
+        pass as its cost grows: seconds ≈ a + b·rows, fitted on the recent verify passes (`_line`), each
+        sequence paying an even share of a and b for each of its tree rows (by rows alone until the fit
+        has points of several sizes)."""
+        if name == "draft":
+            for seq in waiting:
+                seq.spent += seconds / len(waiting)
+            return
+        rows = [s.pending.args[1].shape[0] for s in waiting]
+        self._passes.append((sum(rows), seconds))
+        fixed, per_row = self._line(seconds, sum(rows))
+        scale = seconds / (fixed + per_row * sum(rows))  # this pass's own seconds, split by the fit's shape
+        for seq, r in zip(waiting, rows, strict=True):
+            seq.spent += scale * (fixed / len(waiting) + per_row * r)
+
+    def _line(self, seconds: float, rows: int) -> tuple[float, float]:
+        """(a, b) of seconds ≈ a + b·rows over the recent verify passes; (0, seconds / rows) until they
+        span several sizes (or where the fit is not a cost: a or b negative)."""
+        import numpy as np
+
+        points = np.asarray(self._passes, float)  # [n, 2]
+        if len(points) >= 4 and np.ptp(points[:, 0]) > 0:
+            b, a = np.polyfit(points[:, 0], points[:, 1], 1)
+            if a >= 0 and b > 0:
+                return float(a), float(b)
+        return 0.0, seconds / rows
 
     def _single(self, call: Call, slot: int):
         if self.decoder.max_batch == 1:  # one sequence: any backend's passes

@@ -72,42 +72,17 @@ def features(entropy: float, ngram: int, recent: float) -> list[float]:
     return [1.0, entropy, ngram == 1, ngram == 2, ngram >= 3, recent]
 
 
-class DraftGate:
-    """The gate's state for one decoder: the model's rounds and the costs carry over between
-    requests; `start()` begins a request (its recent acceptance, residuals and run of steps)."""
+class GateModel:
+    """What a gate learns across requests: the drafted rounds' features and tokens, the model fitted on
+    them, and the seconds rounds of each kind cost. One per Decoder; a batch's sequences share one."""
 
-    def __init__(self, config: GateConfig = GateConfig()):
+    def __init__(self, config: GateConfig):
         self.config = config
         self.rows: deque = deque(maxlen=config.window)  # (features, tokens) of drafted rounds
         self.weights: np.ndarray | None = None  # the model fitted on `rows` ([6]); None: too few rows
         self.seconds = {kind: deque(maxlen=config.window) for kind in (False, True)}  # drafted? -> round seconds
-        self.start()
 
-    def start(self) -> None:
-        self.recent: float | None = None  # this request's drafted rounds' tau, older ones weighted down
-        self.skipped = 0  # autoregressive steps since the last drafted round
-        self.run = self.config.explore  # autoregressive steps allowed in a row now
-        self.exploring = False  # the coming round drafts only to explore
-        self.residual = (0.0, 0)  # this request's drafted rounds: sum of (tokens - shared prediction), count
-
-    def _recent(self) -> float:
-        if self.recent is not None:
-            return self.recent
-        return float(np.mean([t for _, t in self.rows])) if self.rows else 1.0
-
-    def _shared(self, entropy: float, ngram: int) -> float:
-        """The shared model's prediction (needs `weights`)."""
-        return float(np.asarray(features(entropy, ngram, self._recent()), float) @ self.weights)
-
-    def predict(self, entropy: float, ngram: int) -> float | None:
-        """Predicted tokens a drafted round commits now (None: fewer than `min_drafted` seen): the
-        shared model's, plus this request's shrunk mean residual."""
-        if self.weights is None:
-            return None
-        total, count = self.residual
-        return self._shared(entropy, ngram) + total / (count + self.config.shrink)
-
-    def _fit(self) -> None:
+    def fit(self) -> None:
         """Refit the model on `rows` (only a drafted round changes them)."""
         if len(self.rows) >= self.config.min_drafted:
             x = np.asarray([f for f, _ in self.rows], float)  # [N, 6]
@@ -120,6 +95,43 @@ class DraftGate:
         if not drafted or len(plain) < self.config.min_steps:
             return None
         return median(drafted) / median(plain)
+
+
+class DraftGate:
+    """The gate of one request: its recent acceptance, residuals and run of steps (`start()` begins a
+    request), over a `GateModel` that carries over between requests (its own, or `model`: shared)."""
+
+    def __init__(self, config: GateConfig = GateConfig(), model: GateModel | None = None):
+        self.config = config
+        self.model = GateModel(config) if model is None else model
+        self.start()
+
+    def start(self) -> None:
+        self.recent: float | None = None  # this request's drafted rounds' tau, older ones weighted down
+        self.skipped = 0  # autoregressive steps since the last drafted round
+        self.run = self.config.explore  # autoregressive steps allowed in a row now
+        self.exploring = False  # the coming round drafts only to explore
+        self.residual = (0.0, 0)  # this request's drafted rounds: sum of (tokens - shared prediction), count
+
+    def _recent(self) -> float:
+        if self.recent is not None:
+            return self.recent
+        return float(np.mean([t for _, t in self.model.rows])) if self.model.rows else 1.0
+
+    def _shared(self, entropy: float, ngram: int) -> float:
+        """The shared model's prediction (needs `weights`)."""
+        return float(np.asarray(features(entropy, ngram, self._recent()), float) @ self.model.weights)
+
+    def predict(self, entropy: float, ngram: int) -> float | None:
+        """Predicted tokens a drafted round commits now (None: fewer than `min_drafted` seen): the
+        shared model's, plus this request's shrunk mean residual."""
+        if self.model.weights is None:
+            return None
+        total, count = self.residual
+        return self._shared(entropy, ngram) + total / (count + self.config.shrink)
+
+    def cost_ratio(self) -> float | None:
+        return self.model.cost_ratio()
 
     def draft(self, entropy: float, ngram: int, must: bool = False) -> bool:
         """Whether the coming round drafts (`must`: it will anyway; then it counts as exploring)."""
@@ -139,18 +151,18 @@ class DraftGate:
     def record(self, drafted: bool, entropy: float, ngram: int, tokens: int, seconds: float) -> None:
         """One finished round: did it draft, its prior entropy and lookup n-gram size, the tokens it
         committed (before stop rules) and its wall time."""
-        self.seconds[drafted].append(seconds)
+        self.model.seconds[drafted].append(seconds)
         if drafted:
             ratio = self.cost_ratio()
             if self.exploring and ratio is not None and tokens < self.config.margin * ratio:
                 self.run = min(2 * self.run, self.config.max_explore)
             else:
                 self.run = self.config.explore
-            if self.weights is not None:  # against the prediction the round was decided on
+            if self.model.weights is not None:  # against the prediction the round was decided on
                 total, count = self.residual
                 self.residual = (total + tokens - self._shared(entropy, ngram), count + 1)
-            self.rows.append((features(entropy, ngram, self._recent()), tokens))
-            self._fit()
+            self.model.rows.append((features(entropy, ngram, self._recent()), tokens))
+            self.model.fit()
             self.recent = tokens if self.recent is None else (self.recent + tokens) / 2
             self.skipped = 0
         else:

@@ -413,11 +413,14 @@ class Decoder:
         finally:
             seq.close()
 
-    def sequence(self, max_new_tokens: int, stats: Stats, sampling: Sampling, inputs: dict, gate: DraftGate | None):
+    def sequence(self, max_new_tokens: int, stats: Stats, sampling: Sampling, inputs: dict, gate: DraftGate | None,
+                 cost=time.perf_counter):
         """One sequence's decoding as a coroutine: it yields a `Call` for every pass it needs (and is sent
         the pass's result) and a list of the committed tokens after each round (after stop rules).
         `rounds` runs the calls one by one; `glance_rt.round.batch.Batch` runs several sequences' draft
-        and verify calls as one pass each. `gate`: this sequence's DraftGate (None: draft every round)."""
+        and verify calls as one pass each. `gate`: this sequence's DraftGate (None: draft every round);
+        `cost()`: the seconds this sequence has cost so far, which the gate weighs its rounds by (wall
+        time alone; a batch's share of each batched pass)."""
         if max_new_tokens < 1:
             raise GlanceError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if not isinstance(sampling, Sampling):
@@ -453,7 +456,7 @@ class Decoder:
         if gate is not None:
             gate.start()
         while not done:
-            round_start = time.perf_counter()
+            round_start = cost()
             block_start = n - 1
             budget = self.tree_budget if self.policy is None else self.policy.choose(prior)
             # the lookup chain over prompt + committed tokens, and the size of the n-gram it matched
@@ -528,7 +531,7 @@ class Decoder:
                                                                                     ctx_start)
                 n, bonus = n + len(path), run[-1]
             clock.lap("commit")
-            seconds = time.perf_counter() - round_start
+            seconds = cost() - round_start
             stats.round_seconds.append(seconds)
             if gate is not None and not looked_up:  # the gate weighs drafted rounds against AR steps
                 gate.record(drafted, round_prior, ngram, len(run), seconds)
