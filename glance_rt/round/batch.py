@@ -109,7 +109,7 @@ class Batch:
         if not self.free:
             raise GlanceError(f"the batch is full ({self.decoder.max_batch} sequences): step until one finishes, "
                               "or build the Decoder with a larger max_batch")
-        gate = None if self.gate_model is None else DraftGate(self.gate_model.config, self.gate_model)
+        gate = None if self.gate_model is None else DraftGate(self.gate_model.config, self.gate_model, self._regime)
         handle, self._next = self._next, self._next + 1
         seq = self.sequences[handle] = _Sequence(handle, self.free.pop(0), stats=Stats())
         seq.coroutine = self.decoder.sequence(max_new_tokens, seq.stats, sampling, inputs, gate, seq.cost)
@@ -205,6 +205,10 @@ class Batch:
             return
         seq.pause()
         yield Event(seq.handle, tokens)
+
+    def _regime(self) -> int:
+        """The gate's cost regime: how many sequences share the passes, in powers of two (1, 2, 4, ...)."""
+        return 1 << (max(len(self.sequences), 1) - 1).bit_length()
 
     def _share(self, name: str, waiting: list[_Sequence], seconds: float) -> None:
         """Charge a batched pass to its sequences. A draft pass evenly (each drafts one block); a verify

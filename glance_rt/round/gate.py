@@ -74,13 +74,15 @@ def features(entropy: float, ngram: int, recent: float) -> list[float]:
 
 class GateModel:
     """What a gate learns across requests: the drafted rounds' features and tokens, the model fitted on
-    them, and the seconds rounds of each kind cost. One per Decoder; a batch's sequences share one."""
+    them, and the seconds rounds of each kind cost, per regime (a batch's occupancy, where one round's
+    cost to a sequence depends on how many share its passes; 0 alone). One per Decoder; a batch's
+    sequences share one."""
 
     def __init__(self, config: GateConfig):
         self.config = config
         self.rows: deque = deque(maxlen=config.window)  # (features, tokens) of drafted rounds
         self.weights: np.ndarray | None = None  # the model fitted on `rows` ([6]); None: too few rows
-        self.seconds = {kind: deque(maxlen=config.window) for kind in (False, True)}  # drafted? -> round seconds
+        self.seconds: dict[tuple[bool, int], deque] = {}  # (drafted?, regime) -> round seconds
 
     def fit(self) -> None:
         """Refit the model on `rows` (only a drafted round changes them)."""
@@ -89,9 +91,12 @@ class GateModel:
             y = np.asarray([t for _, t in self.rows], float)  # [N]
             self.weights = np.linalg.lstsq(x, y, rcond=None)[0]
 
-    def cost_ratio(self) -> float | None:
-        """c_d / c_a: median seconds of a drafted round over those of an autoregressive step."""
-        drafted, plain = self.seconds[True], self.seconds[False]
+    def times(self, drafted: bool, regime: int = 0) -> deque:
+        return self.seconds.setdefault((drafted, regime), deque(maxlen=self.config.window))
+
+    def cost_ratio(self, regime: int = 0) -> float | None:
+        """c_d / c_a: median seconds of a drafted round over those of an autoregressive step (in `regime`)."""
+        drafted, plain = self.times(True, regime), self.times(False, regime)
         if not drafted or len(plain) < self.config.min_steps:
             return None
         return median(drafted) / median(plain)
@@ -101,8 +106,8 @@ class DraftGate:
     """The gate of one request: its recent acceptance, residuals and run of steps (`start()` begins a
     request), over a `GateModel` that carries over between requests (its own, or `model`: shared)."""
 
-    def __init__(self, config: GateConfig = GateConfig(), model: GateModel | None = None):
-        self.config = config
+    def __init__(self, config: GateConfig = GateConfig(), model: GateModel | None = None, regime=lambda: 0):
+        self.config, self.regime = config, regime  # regime(): the model's cost regime now (a batch's occupancy)
         self.model = GateModel(config) if model is None else model
         self.start()
 
@@ -131,7 +136,7 @@ class DraftGate:
         return self._shared(entropy, ngram) + total / (count + self.config.shrink)
 
     def cost_ratio(self) -> float | None:
-        return self.model.cost_ratio()
+        return self.model.cost_ratio(self.regime())
 
     def draft(self, entropy: float, ngram: int, must: bool = False) -> bool:
         """Whether the coming round drafts (`must`: it will anyway; then it counts as exploring)."""
@@ -151,7 +156,7 @@ class DraftGate:
     def record(self, drafted: bool, entropy: float, ngram: int, tokens: int, seconds: float) -> None:
         """One finished round: did it draft, its prior entropy and lookup n-gram size, the tokens it
         committed (before stop rules) and its wall time."""
-        self.model.seconds[drafted].append(seconds)
+        self.model.times(drafted, self.regime()).append(seconds)
         if drafted:
             ratio = self.cost_ratio()
             if self.exploring and ratio is not None and tokens < self.config.margin * ratio:
