@@ -57,7 +57,8 @@ def _backend(name: str):
 def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chain: bool = False,
                  max_len: int = 1024, chunk: int = 64, target_source=None, drafter_source=None,
                  progress: bool = True, flavor: str | None = None, ort_include=None, image_sizes=(),
-                 tuner: KernelTuner | None = None, lookup_budget: int = 0, numerics: str = "fast") -> Path:
+                 tuner: KernelTuner | None = None, lookup_budget: int = 0, numerics: str = "fast",
+                 max_batch: int = 1) -> Path:
     """Build the static graphs of `target` (+ `drafter`) for `backend` into the folder `out`.
     An interrupted build resumes from its finished graphs; the manifest is written last.
     `flavor` (None: the backend's default, the first in FLAVORS): for aoti, "frozen" compiles the
@@ -72,7 +73,10 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     `lookup_budget` > 0 adds the verify graph of lookup rounds of that many rows (the CLI adds the
     default's, `default_lookup_budget`); `budgets` stay the tree budgets a load picks among.
     `numerics` "exact" (aoti only): the decode graphs in exact numerics (`glance_rt.models.exact`, the
-    static form), recorded in the manifest; a load runs them as a Decoder with numerics="exact"."""
+    static form), recorded in the manifest; a load runs them as a Decoder with numerics="exact".
+    `max_batch` > 1 (aoti only, a GLANCE drafter or none): the caches hold that many sequences and the
+    engine carries the batched graphs (`StaticGraphs.verify_batch` per (slots, rows) bucket and
+    `draft_batch` per slots bucket) for `glance_rt.Batch`; a load runs a Decoder of that max_batch."""
     if backend not in FLAVORS:
         raise GlanceError(f"unknown engine backend {backend!r}: choose one of {', '.join(ENGINE_BACKENDS)}")
     if flavor is not None and flavor not in FLAVORS[backend]:
@@ -83,6 +87,11 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     if check_numerics(numerics) == "exact" and backend != "aoti":
         raise GlanceError(f"exact numerics engines are built with --backend aoti; {backend} graphs carry the fast "
                           "kernels only (the ONNX export of the row-gathered attention is not built)")
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise GlanceError(f"max_batch must be an int >= 1, got {max_batch!r}")
+    if max_batch > 1 and (backend != "aoti" or eagle3_shape(drafter) is not None):
+        raise GlanceError(f"--max-batch {max_batch}: batched engines are built with --backend aoti over a GLANCE "
+                          f"drafter or none; {backend} graphs (and EAGLE-3 heads) take one sequence")
     impl = _backend(backend)
     image_sizes = [list(s) for s in image_sizes]
     if image_sizes and backend == "aoti":
@@ -94,11 +103,11 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     out = Path(out)
     config = {"backend": backend, "budgets": list(budgets), "tree_budgets": list(tree_budgets),
               "lookup_budget": lookup_budget or None, "chain": chain, "max_len": max_len, "chunk": chunk,
-              "flavor": flavor, "image_sizes": image_sizes, "numerics": numerics}
+              "flavor": flavor, "image_sizes": image_sizes, "numerics": numerics, "max_batch": max_batch}
     if (out / "manifest.json").exists():
         raise GlanceError(f"{out} already holds an engine: pick another --out, or delete it to rebuild")
     exact = ExactNumerics(static=True) if numerics == "exact" else None
-    graphs = static_graphs(target, drafter, max_len, exact)  # the plain weights: they are what gets traced
+    graphs = static_graphs(target, drafter, max_len, exact, max_batch)  # the plain weights: what gets traced
     manifest = {"format": FORMAT, **config, "block_size": drafter.block_size if drafter is not None else 1,
                 "source": source(target, drafter), "versions": versions(), "eagle3": eagle3_shape(drafter),
                 "target_source": None if target_source is None else str(target_source),
@@ -114,7 +123,7 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     out.mkdir(parents=True, exist_ok=True)
     if not started.exists():
         keep = ("backend", "budgets", "lookup_budget", "chain", "max_len", "chunk", "flavor", "image_sizes", "source",
-                "versions", "numerics")
+                "versions", "numerics", "max_batch")
         (out / "build.json.tmp").write_text(json.dumps({k: manifest[k] for k in keep}, indent=2))
         (out / "build.json.tmp").replace(started)
     if backend == "onnxruntime":
@@ -217,13 +226,13 @@ def engine_backend(path, m: dict) -> Backend:
 
 
 def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int | None = None, gate=None,
-                lookup_budget: int | None = None, numerics: str | None = None):
+                lookup_budget: int | None = None, numerics: str | None = None, max_batch: int | None = None):
     """A `cls` (Decoder) whose passes run the engine in `path`. `tree_budget` None: the largest
     tree budget it was built for (not its lookup rounds' bucket). The draft gate (`gate` None: where
     it can run) needs the one-row verify graph that `--tree-budget 0` builds. Lookup rounds verify
     `lookup_budget` rows where the engine has that bucket (None: the rows it was built for, which
     `build-engine` adds by default, or the default's; else the tree's budget). `numerics`: what the
-    engine must have been built with (None: whatever it was)."""
+    engine must have been built with (None: whatever it was); `max_batch` likewise (`--max-batch`)."""
     path = Path(path)
     m = read_manifest(path)
     if (warning := check_machine(path, m)) is not None:
@@ -232,6 +241,10 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
     if numerics is not None and numerics != built:
         raise GlanceError(f"engine {path} was built with {built} numerics, {numerics} asked: rebuild it with "
                           f"`glance-rt build-engine{' --exact' if numerics == 'exact' else ''}` or ask for {built}")
+    slots = m.get("max_batch", 1)
+    if max_batch is not None and max_batch != slots:
+        raise GlanceError(f"engine {path} was built for batches of {slots}, max_batch={max_batch} asked: rebuild it "
+                          f"with `glance-rt build-engine --max-batch {max_batch}` or ask for {slots}")
     target, drafter = _load_sources(m, target, drafter)
     check_manifest(m, target, drafter, path)
     budgets = m["budgets"]
@@ -256,4 +269,5 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
             rows = max(asked)  # lookup rounds at the tree's shape
         lookup_budget = rows
     return cls(target, drafter, tree_budget=tree_budget, chain=m["chain"], max_length=m["max_len"],
-               backend=engine_backend(path, m), lookup=lookup, gate=gate, lookup_budget=lookup_budget, numerics=built)
+               backend=engine_backend(path, m), lookup=lookup, gate=gate, lookup_budget=lookup_budget, numerics=built,
+               max_batch=slots)

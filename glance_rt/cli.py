@@ -541,10 +541,7 @@ def _method_decoder(method: Method, target_path, drafter_path, dtype, device, ma
     from glance_rt.round.loop import Decoder
 
     if method.engine is not None:
-        if (max_batch or 1) > 1:
-            raise GlanceError(f"--max-batch {max_batch}: engines decode one sequence at a time (batched rounds run "
-                              "eager passes); use --max-batch 1")
-        dec = _engine_decoder(method, target_path, drafter_path)
+        dec = _engine_decoder(method, target_path, drafter_path, max_batch)
         return dec.target, dec, encode(dec.target)
     from dataclasses import replace
 
@@ -565,8 +562,9 @@ def _method_decoder(method: Method, target_path, drafter_path, dtype, device, ma
     return target, Decoder.from_method(method, target, drafter, max_length, max_batch=max_batch), encoded
 
 
-def _engine_decoder(method: Method, target_path, drafter_path):
-    """Decoder.from_engine, with --target/--drafter overriding the sources its manifest names."""
+def _engine_decoder(method: Method, target_path, drafter_path, max_batch: int | None = None):
+    """Decoder.from_engine, with --target/--drafter overriding the sources its manifest names
+    (`max_batch` None: the engine's)."""
     from glance_rt.export.manifest import read_manifest
     from glance_rt.hf.target import load_target
     from glance_rt.models.eagle3 import open_drafter
@@ -579,7 +577,7 @@ def _engine_decoder(method: Method, target_path, drafter_path):
                              device=m["source"]["device"])
     if drafter_path is not None:
         drafter = open_drafter(drafter_path, target, m.get("eagle3"))  # drafting as the engine was built
-    return Decoder.from_method(method, target, drafter)
+    return Decoder.from_method(method, target, drafter, max_batch=max_batch)
 
 
 @main.command("build-engine")
@@ -614,9 +612,12 @@ def _engine_decoder(method: Method, target_path, drafter_path):
 @DEVICE
 @click.option("--exact", is_flag=True, help="aoti: the decode graphs in exact numerics (verify rows with the AR "
               "step's bits; `generate --engine` then runs them so).")
+@click.option("--max-batch", default=1, show_default=True, type=int,
+              help="aoti: sequences the engine decodes at once (batched verify and draft graphs per batch bucket, "
+                   "for `serve` and glance_rt.Batch); a cache slot of --max-length rows each.")
 @click.option("--out", required=True, type=click.Path(), help="Engine folder (resumes an interrupted build).")
 def build_engine(target_path, drafter_path, backend, budgets, chain, max_length, chunk, no_drafter, flavor,
-                 lookup_budget, image_sizes, ort_include, dtype, device, exact, out):
+                 lookup_budget, image_sizes, ort_include, dtype, device, exact, max_batch, out):
     """Compile the draft, verify and prefill passes of a target (+ drafter) into an engine folder."""
     from glance_rt.engines.engine import build_engine as build
 
@@ -628,7 +629,7 @@ def build_engine(target_path, drafter_path, backend, budgets, chain, max_length,
         build(target, drafter, out, backend=backend, budgets=budgets, chain=chain, max_len=max_length, chunk=chunk,
               target_source=target_path, drafter_source=drafter_path, flavor=flavor, ort_include=ort_include,
               image_sizes=image_sizes, lookup_budget=_lookup_bucket(lookup_budget, drafter, chain),
-              numerics="exact" if exact else "fast")
+              numerics="exact" if exact else "fast", max_batch=max_batch)
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"engine: {out} ({backend}, {time.perf_counter() - start:.0f} s)")

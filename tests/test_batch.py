@@ -3,7 +3,7 @@ alone, on every architecture, with mixed prompt lengths and images, sequences fi
 rounds and joining as slots free, mixed sampling settings, the gate and prompt lookup; in exact numerics
 a batched verify row has a one-sequence pass's bits."""
 
-from dataclasses import replace
+import json
 
 import pytest
 import torch
@@ -161,8 +161,10 @@ def test_batched_decoding_refuses_what_it_cannot_run():
             glance_rt.Decoder(target, drafter, max_batch=bad)
     with pytest.raises(glance_rt.GlanceError, match="eager or compile backend"):
         glance_rt.Decoder(target, glance_rt.init_eagle3(target, seed=0), max_batch=2)
-    with pytest.raises(glance_rt.GlanceError, match="engines decode one sequence"):
-        glance_rt.Decoder.from_method(replace(glance_rt.Method(), engine="/no/engine"), target, drafter, max_batch=2)
+    from glance_rt.engines.engine import build_engine
+
+    with pytest.raises(glance_rt.GlanceError, match="batched engines are built with --backend aoti"):
+        build_engine(target, drafter, "/tmp/never-built", backend="onnxruntime", max_batch=2)
     with pytest.raises(glance_rt.GlanceError, match="device_round"):
         glance_rt.Decoder(target, drafter, backend="compile", max_batch=2, device_round=True)
 
@@ -243,3 +245,26 @@ def test_a_batched_pass_is_charged_to_its_sequences_by_what_they_add():
     a, b = seqs(9, 1)
     batch._share("draft", [a, b], 0.3)
     assert a.spent == b.spent == pytest.approx(0.15)
+
+
+@pytest.mark.full
+def test_an_aoti_engine_built_for_batches_decodes_them(tmp_path):
+    """`build-engine --max-batch 2` (aoti): the batched graphs are packages of the engine; a load runs a
+    Decoder of that batch, whose Batch gives every sequence HF greedy's tokens (three requests, two
+    slots: one joins as another leaves); another max_batch asked is refused."""
+    from glance_rt.engines.engine import build_engine
+
+    target, model, processor = tiny_target("llama")
+    drafter = glance_rt.init_drafter(target, block_size=4, seed=1)
+    out = build_engine(target, drafter, tmp_path / "e", budgets=(6,), max_len=128, chunk=8, progress=False,
+                       flavor="shared", max_batch=2)
+    graphs = json.loads((out / "manifest.json").read_text())["graphs"]
+    assert {"verify_batch-2x7", "draft_batch-2"} <= set(graphs)
+    dec = glance_rt.Decoder.from_engine(out, target, drafter, gate=False)
+    assert dec.max_batch == 2 and dec.passes.batches
+    reqs = requests("llama", processor)
+    results = Batch(dec).run([dict(r, max_new_tokens=n) for r, n in zip(reqs, NEW, strict=True)])
+    for r, n, res in zip(reqs, NEW, results, strict=True):
+        assert res.token_ids == hf_greedy(model, r, n)
+    with pytest.raises(glance_rt.GlanceError, match="built for batches of 2"):
+        glance_rt.Decoder.from_engine(out, target, drafter, max_batch=1)

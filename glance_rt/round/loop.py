@@ -237,16 +237,15 @@ class Decoder:
         self.verifier, self.drafter = round_modules(target, drafter, max_length, verify_rows, kernels,
                                                     self.backend.fuse, exact, max_batch)
         self.grows_tree = isinstance(self.drafter, Eagle3Pass)  # its own tree (EAGLE-3), else build_tree's
-        if max_batch > 1 and (self.backend.name not in ("eager", "compile")
-                              or not isinstance(self.drafter, (DraftPass, type(None)))):
-            raise GlanceError(f"max_batch={max_batch}: batched rounds run the eager or compile backend over a GLANCE "
-                              "drafter or none (engines, EAGLE-3 heads and other drafter objects decode one sequence "
-                              "at a time: use max_batch=1)")
         vocab = getattr(self.drafter, "draft_vocab", None)  # draft-logit column -> token id, or None
         self.draft_vocab = None if vocab is None else vocab.cpu().numpy()
         self.mrope = self.verifier.mrope
         self.eos_ids = frozenset(target.eos_token_ids)
         self.passes = self.backend.passes(self.verifier, self.drafter)
+        if max_batch > 1 and not (isinstance(self.drafter, (DraftPass, type(None))) and self.passes.batches):
+            raise GlanceError(f"max_batch={max_batch}: batched rounds run the eager or compile backend, or an aoti "
+                              "engine built with --max-batch, over a GLANCE drafter or none (other engines, EAGLE-3 "
+                              "heads and other drafter objects decode one sequence at a time: use max_batch=1)")
         self.device_round = self._device_round(device_round)
         make_inputs = self.backend.prefill_inputs
         self.prefill_inputs = target.prefill_inputs if make_inputs is None else make_inputs(target)
@@ -254,24 +253,24 @@ class Decoder:
     @classmethod
     def from_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int | None = None,
                     gate: "bool | GateConfig | None" = None, lookup_budget: int | None = None,
-                    numerics: str | None = None) -> "Decoder":
+                    numerics: str | None = None, max_batch: int | None = None) -> "Decoder":
         """A Decoder that runs the engine built in `path` (`glance-rt build-engine`). `target` and
         `drafter` default to the ones the engine was built from (any other must match its manifest);
         `tree_budget` defaults to its largest budget bucket, or pass an int or AdaptiveBudget over its
         buckets; `lookup` as in `Decoder` (a host-side choice of tree rows: any engine runs it);
         `gate` as in `Decoder` (it needs the one-row verify graph of `--tree-budget 0`); `lookup_budget`
         as in `Decoder` where the engine has that budget bucket (None: the default where it has it, else
-        the tree's budget). The engine's manifest says its numerics (`build-engine --exact`); `numerics`,
-        if given, must be it."""
-        return load_engine(cls, path, target, drafter, tree_budget, lookup, gate, lookup_budget, numerics)
+        the tree's budget). The engine's manifest says its numerics (`build-engine --exact`) and its
+        batch (`--max-batch`); `numerics` and `max_batch`, if given, must be them."""
+        return load_engine(cls, path, target, drafter, tree_budget, lookup, gate, lookup_budget, numerics, max_batch)
 
     @classmethod
     def from_method(cls, method: Method, target, drafter=None, max_length: int | None = None,
-                    policy=None, max_batch: int = 1) -> "Decoder":
+                    policy=None, max_batch: int | None = None) -> "Decoder":
         """The Decoder that runs `method` (`glance_rt.method.Method`) for `target` (+ `drafter`;
         None decodes autoregressively). `max_length`: static cache rows (None: `DEFAULT_MAX_LENGTH`;
         an engine has its own). `policy`: the calibrated AdaptiveBudget of an "adaptive" method.
-        `max_batch`: as in `Decoder` (engines: 1)."""
+        `max_batch`: as in `Decoder` (None: 1; an engine's own)."""
         drafter = None if method.kind == "ar" else drafter
         eagle3 = isinstance(drafter, Eagle3Drafter)
         if method.kind == "eagle3" and drafter is not None and not eagle3:
@@ -281,11 +280,9 @@ class Decoder:
             raise GlanceError(f"method {method.name} needs a GLANCE drafter, not an EAGLE-3 head (its trees: "
                               f"eagle3-{method.tree_budget})")
         if method.engine is not None:
-            if max_batch != 1:
-                raise GlanceError(f"max_batch={max_batch}: engines decode one sequence at a time; use max_batch=1")
             return cls.from_engine(method.engine, target, drafter, tree_budget=method.tree_budget, lookup=method.lookup,
                                    gate=None if method.gate else False, lookup_budget=method.lookup_budget,
-                                   numerics=method.numerics)
+                                   numerics=method.numerics, max_batch=max_batch)
         if method.kind == "adaptive" and policy is None:
             raise GlanceError("an adaptive method needs its calibrated AdaptiveBudget (glance_rt.round.adaptive)")
         plain = method.backend == "plain"  # eager with the HF modules' own linear layers
@@ -293,7 +290,7 @@ class Decoder:
                    chain=method.kind == "chain", lookup=method.lookup, max_length=max_length or DEFAULT_MAX_LENGTH,
                    backend="eager" if plain else method.backend, prepack=False if plain else "auto",
                    gate=None if method.gate else False, lookup_budget=method.lookup_budget, numerics=method.numerics,
-                   max_batch=max_batch)
+                   max_batch=max_batch or 1)
 
     @staticmethod
     def _kernels(prepack, packable: bool):

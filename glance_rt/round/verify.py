@@ -47,6 +47,8 @@ class EagerPasses:
     def rows_needed(self, prompt_len: int) -> int:
         return prompt_len
 
+    batches = True  # verify_batch and draft_batch: several sequences' passes as one
+
     def warmup(self, budgets, chain: bool, rounds=()) -> None:
         """Nothing to compile: exact-length passes run as they come."""
 
@@ -245,6 +247,11 @@ class StaticPasses:
         return -(-prompt_len // c) * c  # padded prompt chunks (and context chunks) stay inside the cache
 
     @property
+    def batches(self) -> bool:
+        """Whether the graphs include the batched ones (compiled with slots, or an engine built with them)."""
+        return "verify_batch" in self.fns
+
+    @property
     def has_round(self) -> bool:
         """Whether a drafted round can run as one graph (`round`; engines have no such graph)."""
         return "round" in self.fns
@@ -271,10 +278,10 @@ class StaticPasses:
         return torch.cat([x, last.repeat(*reps)], dim)
 
     def prefill(self, embeds: Tensor, positions: Tensor, slot: int = 0) -> tuple[Tensor, Tensor]:
-        if "prefill" not in self.fns:  # the prompt in one exact-length pass (see compiled_fns)
+        if "prefill" not in self.fns or self.cache.slots > 1:
+            # the prompt in one exact-length eager pass (see compiled_fns; an engine's prefill graph attends
+            # slot 0's rows, so a batched engine prefills every slot so, alike)
             return EagerPasses(self.graphs.verifier, None).prefill(embeds, positions, slot)
-        if slot:
-            raise GlanceError("an engine's prefill graph fills one cache slot: engines decode one sequence at a time")
         p = embeds.shape[1]
         c = max(p, MIN_PREFILL_ROWS) if self.shapes.exact_prefill else self.shapes.chunk
         feats, logits = [], None
@@ -553,10 +560,11 @@ def kernel_plans(kernels, verify_rows: tuple[int, ...], block: int, layouts: dic
     return verify, KernelPlan(block, (block, PREFILL_ROWS), tuner, layouts=layouts)
 
 
-def static_graphs(target, drafter, max_len: int, exact: ExactNumerics | None = None) -> StaticGraphs:
+def static_graphs(target, drafter, max_len: int, exact: ExactNumerics | None = None, slots: int = 1) -> StaticGraphs:
     """The fixed-shape graphs of `target` (+ a GlanceDrafter or an EAGLE-3 head) over the plain weights:
-    what engine builders trace (`exact`: the decode passes in exact numerics, static form)."""
-    return StaticGraphs(*round_modules(target, drafter, max_len, (1,), None, exact=exact))
+    what engine builders trace (`exact`: the decode passes in exact numerics, static form; `slots`: the
+    sequences the caches hold, with the batched graphs)."""
+    return StaticGraphs(*round_modules(target, drafter, max_len, (1,), None, exact=exact, slots=slots))
 
 
 @dataclass(frozen=True)
