@@ -111,7 +111,9 @@ class Batch:
                               "or build the Decoder with a larger max_batch")
         gate = None if self.gate_model is None else DraftGate(self.gate_model.config, self.gate_model, self._regime)
         handle, self._next = self._next, self._next + 1
-        seq = self.sequences[handle] = _Sequence(handle, self.free.pop(0), stats=Stats())
+        slot = min(self.free)  # the lowest: compiled passes run slots 0..S-1, the fewer the better
+        self.free.remove(slot)
+        seq = self.sequences[handle] = _Sequence(handle, slot, stats=Stats())
         seq.coroutine = self.decoder.sequence(max_new_tokens, seq.stats, sampling, inputs, gate, seq.cost)
         return handle
 
