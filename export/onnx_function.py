@@ -1,7 +1,9 @@
 """glance.TreeAttention's body in standard ONNX ops (onnxscript; the portable flavor's function).
 
 Same math as `glance_rt.models.attention.tree_attention_reference`: visibility from prefix_len and the
-tree mask, grouped-query heads folded as [1, KVH, G, T, D] against [1, KVH, 1, L, D].
+tree mask, grouped-query heads folded as [1, KVH, G, T, D] against [1, KVH, 1, L, D]. One sequence per
+call: ONNX exports decode one sequence (the op's batched form, [B, ...] with masks [B, T, T], is what
+batched torch and AOTInductor graphs call; `build-engine --max-batch` refuses ONNX backends).
 """
 
 from onnxscript import BOOL, FLOAT, INT64, script

@@ -53,7 +53,8 @@ def tree_attention_aot(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDes
                        tactic: int) -> Tuple[Union[str, bytes], Union[str, bytes],  # noqa: UP006, UP007
                                              trtp.KernelLaunchParams, trtp.SymExprs]:
     """Compile the kernel for this node's dtype and shapes: (name, PTX, launch, extra int32 args).
-    TensorRT launches it as (q, k, v, tree_mask, prefix_len, T, KV_ROWS, out), the kernel's ABI."""
+    TensorRT launches it as (q, k, v, tree_mask, prefix_len, T, KV_ROWS, KV_BATCH, out), the kernel's ABI:
+    one sequence (grid z = 1; the engines TensorRT builds decode one sequence at a time)."""
     dtype = DTYPES[q.dtype]
     heads, t, head_dim = int(q.shape[1]), int(q.shape[2]), int(q.shape[3])
     kv_heads = int(k.shape[1])
@@ -71,4 +72,5 @@ def tree_attention_aot(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDes
     extra = trtp.SymIntExprs(len(kernel.EXTRAS))
     extra[0] = trtp.SymInt32(q.shape_expr[2])  # T
     extra[1] = trtp.SymInt32(k.shape_expr[2])  # KV_ROWS: the cache input is [1, KVH, L, D], contiguous
+    extra[2] = trtp.SymInt32(k.shape_expr[2])  # KV_BATCH: unread with one sequence (any value will do)
     return name.encode(), ptx.encode(), launch, extra

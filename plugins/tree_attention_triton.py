@@ -26,22 +26,30 @@ longer prefix adds programs instead of lengthening one program's loop. One split
 (e^(-1e30-m) = 0, e^0 = 1), so a cache of at most SPLIT_ROWS rows runs the direct kernel alone (no
 scratch, one launch) with bit-identical results.
 
+Batches (`glance_rt.round.batch`): a call may carry B sequences, each with its own query rows, cache
+rows, tree mask and prefix length (q [B, H, T, D], k, v [B, KVH, L, D], tree_mask [B, T, T], prefix_len
+[B]): the batch is one more grid axis, so one launch covers every sequence of a batched pass and a
+sequence's programs are the ones it gets alone (its result is bit-identical to a call of its own).
+
 Three entry points share one body (`_attend_rows`):
   tree_attention_kernel          direct: one program walks all rows and normalises (the TensorRT plugin's)
-  tree_attention_split_kernel    one split's partial state per (query tile, KV head, split)
+  tree_attention_split_kernel    one split's partial state per (query tile, KV head, sequence x split)
   tree_attention_combine_kernel  folds the live splits in order, normalises, writes out
 
 Direct kernel launch ABI (TensorRT's AOT plugin order: input pointers, int32 extras, output pointers):
 
-    tree_attention_kernel(q, k, v, tree_mask, prefix_len, T, KV_ROWS, out)
-      q          *dtype  [1, H, T, D] contiguous
-      k, v       *dtype  [1, KVH, KV_ROWS, D] contiguous (only the first prefix_len + T rows are read)
-      tree_mask  *i1     [T, T] (torch.bool: one byte per entry)
-      prefix_len *i64    [] on the device
-      T, KV_ROWS i32     queries per head; cache rows per KV head (the head stride, in rows)
-      out        *dtype  [1, H, T, D] contiguous
+    tree_attention_kernel(q, k, v, tree_mask, prefix_len, T, KV_ROWS, KV_BATCH, out)
+      q          *dtype  [B, H, T, D] contiguous
+      k, v       *dtype  [B, KVH, L, D], rows of D contiguous elements (only the first prefix_len + T
+                         rows of each sequence are read)
+      tree_mask  *i1     [B, T, T] (torch.bool: one byte per entry)
+      prefix_len *i64    [B] on the device
+      T          i32     queries per head
+      KV_ROWS    i32     the head stride of k and v, in rows (L for a contiguous cache)
+      KV_BATCH   i32     their sequence stride, in rows (unread when B = 1)
+      out        *dtype  [B, H, T, D] contiguous
     constexprs: GROUPS = H // KVH, HEAD_DIM = D, SCALE, BLOCK_M, BLOCK_N, BLOCK_D
-    grid: (cdiv(GROUPS * T, BLOCK_M), KVH, 1); block: num_warps * 32 threads
+    grid: (cdiv(GROUPS * T, BLOCK_M), KVH, B); block: num_warps * 32 threads
 
 The TensorRT plugin runs the direct kernel: TensorRT's AOT plugins launch exactly one kernel and get no
 workspace, so the split path (two launches, scratch) is the torch op's (docs/engines.md).
@@ -53,8 +61,8 @@ tokens equal Hugging Face's. fp16/bf16 multiply in their dtype and accumulate in
 import triton
 import triton.language as tl
 
-ABI = ("q", "k", "v", "tree_mask", "prefix_len", "T", "KV_ROWS", "out")  # the direct kernel's runtime parameters
-INPUTS, EXTRAS, OUTPUTS = ABI[:5], ABI[5:7], ABI[7:]
+ABI = ("q", "k", "v", "tree_mask", "prefix_len", "T", "KV_ROWS", "KV_BATCH", "out")  # the direct kernel's
+INPUTS, EXTRAS, OUTPUTS = ABI[:5], ABI[5:8], ABI[8:]  # runtime parameters
 DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # torch dtype name -> Triton type
 NUM_WARPS = 4
 PTX_VERSION = 87  # Triton 3.9's default PTX ISA (9.4) is newer than CUDA 13.0's ptxas takes: pin one both know
@@ -148,26 +156,34 @@ def _fold_tile(s, v, m_i, l_i, acc):
 
 
 @triton.jit
-def _query_tile(T, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+def _query_tile(seq, T, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_D: tl.constexpr):
-    """This program's folded query rows of its KV head (program_id 1): head kvh*G + r // T, query r % T.
-    -> (r [M], t [M], d [D], r_ok, d_ok, q_off [M, D]); the G heads of a KV head are adjacent in q."""
-    kvh = tl.program_id(1)
+    """This program's folded query rows of its KV head (program_id 1) in sequence `seq`: head kvh*G + r // T,
+    query r % T. -> (r [M], t [M], d [D], r_ok, d_ok, q_off [M, D]); the G heads of a KV head are
+    adjacent in q, and a sequence's H heads follow the previous sequence's."""
+    head = seq * tl.num_programs(1) + tl.program_id(1)  # the (sequence, KV head) pair
     rows = GROUPS * T
     r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M]
     d = tl.arange(0, BLOCK_D)  # [D]
-    q_off = (kvh * rows + r)[:, None] * HEAD_DIM + d[None, :]
+    q_off = (head.to(tl.int64) * rows + r)[:, None] * HEAD_DIM + d[None, :]
     return r, r % T, d, r < rows, d < HEAD_DIM, q_off
 
 
 @triton.jit
-def tree_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_ROWS, out_ptr,
+def _sequence(seq, mask_ptr, prefix_ptr, T, KV_ROWS, KV_BATCH, HEAD_DIM: tl.constexpr):
+    """Sequence `seq`'s tree mask, prefix length and the offset of its KV head's (program_id 1) cache rows."""
+    kv_base = (seq.to(tl.int64) * KV_BATCH + tl.program_id(1).to(tl.int64) * KV_ROWS) * HEAD_DIM
+    return mask_ptr + seq.to(tl.int64) * T * T, tl.load(prefix_ptr + seq).to(tl.int32), kv_base
+
+
+@triton.jit
+def tree_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_ROWS, KV_BATCH, out_ptr,
                           GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    r, t, d, r_ok, d_ok, q_off = _query_tile(T, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D)
+    seq = tl.program_id(2)
+    r, t, d, r_ok, d_ok, q_off = _query_tile(seq, T, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D)
     q = tl.load(q_ptr + q_off, mask=r_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
-    prefix = tl.load(prefix_ptr).to(tl.int32)
-    kv_base = tl.program_id(1).to(tl.int64) * KV_ROWS * HEAD_DIM
+    mask_ptr, prefix, kv_base = _sequence(seq, mask_ptr, prefix_ptr, T, KV_ROWS, KV_BATCH, HEAD_DIM)
     m_i = tl.full([BLOCK_M], M_START, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -178,27 +194,26 @@ def tree_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_ROWS,
 
 
 @triton.jit
-def tree_attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_ROWS, acc_ptr, ml_ptr,
-                                GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE: tl.constexpr,
-                                SPLIT_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_D: tl.constexpr):
-    """Split program_id(2)'s partial state for one query tile of one KV head, into scratch laid out as
-    acc [KVH, SPLITS, G*T, D] and ml [KVH, SPLITS, G*T, 2] (fp32; SPLITS = the grid's third size)."""
-    split = tl.program_id(2)
-    prefix = tl.load(prefix_ptr).to(tl.int32)
+def tree_attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_ROWS, KV_BATCH, SPLITS,
+                                acc_ptr, ml_ptr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                SCALE: tl.constexpr, SPLIT_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One split's partial state (program_id(2) = sequence * SPLITS + split) for one query tile of one KV
+    head, into scratch laid out as acc [B, KVH, SPLITS, G*T, D] and ml [B, KVH, SPLITS, G*T, 2] (fp32)."""
+    seq, split = tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS
+    mask_ptr, prefix, kv_base = _sequence(seq, mask_ptr, prefix_ptr, T, KV_ROWS, KV_BATCH, HEAD_DIM)
     lo = split * SPLIT_ROWS
     if lo < prefix + T:  # a split past the queries' own rows has nothing to read (and the combine skips it)
-        r, t, d, r_ok, d_ok, q_off = _query_tile(T, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D)
+        r, t, d, r_ok, d_ok, q_off = _query_tile(seq, T, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D)
         q = tl.load(q_ptr + q_off, mask=r_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
-        kvh = tl.program_id(1)
-        kv_base = kvh.to(tl.int64) * KV_ROWS * HEAD_DIM
         m_i = tl.full([BLOCK_M], M_START, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         hi = tl.minimum(lo + SPLIT_ROWS, prefix + T)
         m_i, l_i, acc = _attend_rows(q, k_ptr, v_ptr, mask_ptr, kv_base, prefix, T, t, r_ok, d, d_ok, lo, hi,
                                      m_i, l_i, acc, HEAD_DIM, SCALE, BLOCK_N)
-        part = (kvh * tl.num_programs(2) + split).to(tl.int64) * (GROUPS * T) + r  # [M] rows of the scratch
+        head = seq * tl.num_programs(1) + tl.program_id(1)  # the (sequence, KV head) pair
+        part = (head.to(tl.int64) * SPLITS + split) * (GROUPS * T) + r  # [M] rows of the scratch
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
         tl.store(ml_ptr + part * 2, m_i, mask=r_ok)
         tl.store(ml_ptr + part * 2 + 1, l_i, mask=r_ok)
@@ -208,15 +223,17 @@ def tree_attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV
 def tree_attention_combine_kernel(acc_ptr, ml_ptr, prefix_ptr, T, SPLITS, out_ptr,
                                   GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT_ROWS: tl.constexpr,
                                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Fold the live splits' partial states in split order and normalise: out [1, H, T, D]."""
-    r, t, d, r_ok, d_ok, q_off = _query_tile(T, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D)
-    kvh = tl.program_id(1)
-    live = tl.cdiv(tl.load(prefix_ptr).to(tl.int32) + T, SPLIT_ROWS)
+    """Fold the live splits' partial states of sequence program_id(2) in split order and normalise: out
+    [B, H, T, D]."""
+    seq = tl.program_id(2)
+    r, t, d, r_ok, d_ok, q_off = _query_tile(seq, T, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D)
+    head = seq * tl.num_programs(1) + tl.program_id(1)  # the (sequence, KV head) pair
+    live = tl.cdiv(tl.load(prefix_ptr + seq).to(tl.int32) + T, SPLIT_ROWS)
     m_i = tl.full([BLOCK_M], M_START, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for split in range(0, live):
-        part = (kvh * SPLITS + split).to(tl.int64) * (GROUPS * T) + r  # [M]
+        part = (head.to(tl.int64) * SPLITS + split) * (GROUPS * T) + r  # [M]
         m_s = tl.load(ml_ptr + part * 2, mask=r_ok, other=M_START)
         l_s = tl.load(ml_ptr + part * 2 + 1, mask=r_ok, other=0.0)
         acc_s = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=r_ok[:, None] & d_ok[None, :],
@@ -230,16 +247,19 @@ def tree_attention_combine_kernel(acc_ptr, ml_ptr, prefix_ptr, T, SPLITS, out_pt
     tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
 
-def grid(rows: int, kv_heads: int, block_m: int, splits: int = 1) -> tuple[int, int, int]:
-    """Programs for GROUPS * T folded query rows over kv_heads KV heads (and `splits` cache splits)."""
-    return (triton.cdiv(rows, block_m), kv_heads, splits)
+def grid(rows: int, kv_heads: int, block_m: int, sequences: int = 1) -> tuple[int, int, int]:
+    """Programs for GROUPS * T folded query rows over kv_heads KV heads and `sequences` (for the split
+    kernel: sequences x cache splits)."""
+    return (triton.cdiv(rows, block_m), kv_heads, sequences)
 
 
 def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int | None = SPLIT_ROWS,
                    block_m: int | None = None, tune: dict | None = None):
     """Launch on torch tensors: CUDA, or CPU tensors through Triton's interpreter (with
-    TRITON_INTERPRET=1 set before triton is first imported, as the tests do). Shapes as the op; k and v
-    may be row slices of a larger cache (any head stride), q any layout. -> [1, H, T, D].
+    TRITON_INTERPRET=1 set before triton is first imported, as the tests do). Shapes as the op (one
+    sequence: q [1, H, T, D], tree_mask [T, T], prefix_len []; or B: [B, H, T, D], [B, T, T], [B]); k and v
+    may be views of a larger cache (any head and sequence strides: a batch's cache slots), q any layout.
+    -> [B, H, T, D].
 
     The cache's L = k.shape[2] rows are cut into cdiv(L, split_rows) splits (split-KV: split kernel, then
     combine); `split_rows` None, or L <= split_rows, runs the direct kernel alone. `block_m`: the split
@@ -248,32 +268,33 @@ def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int
     so the op keeps `blocks`' one per dtype and head dim), num_warps, num_stages."""
     import torch
 
-    _, heads, t, d = q.shape
+    seqs, heads, t, d = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     groups, dtype = heads // kv_heads, str(q.dtype).removeprefix("torch.")
     q = q.contiguous()
     if k.stride(3) != 1 or k.stride(2) != d or v.stride() != k.stride():
         k, v = k.contiguous(), v.contiguous()
-    out = torch.empty_like(q)  # [1, H, T, D]
-    prefix = prefix_len.reshape(()).to(torch.int64)
-    mask = tree_mask.contiguous()
+    out = torch.empty_like(q)  # [B, H, T, D]
+    prefix = prefix_len.reshape(seqs).to(torch.int64)  # [B]
+    mask = tree_mask.contiguous()  # [B, T, T] (or [T, T]: B = 1)
+    strides = (k.stride(1) // d, k.stride(0) // d)  # KV_ROWS, KV_BATCH: head and sequence strides in rows
     tune = dict(tune or {})
     common = dict(GROUPS=groups, HEAD_DIM=d, num_warps=tune.pop("num_warps", NUM_WARPS),
                   num_stages=tune.pop("num_stages", stages(d, dtype)))
     splits = 1 if split_rows is None else triton.cdiv(kv_len, check_split_rows(split_rows))
     if splits == 1:
         tiles = blocks(d, dtype) | tune
-        tree_attention_kernel[grid(groups * t, kv_heads, tiles["BLOCK_M"])](
-            q, k, v, mask, prefix, t, k.stride(1) // d, out, SCALE=float(scale), **tiles, **common)
+        tree_attention_kernel[grid(groups * t, kv_heads, tiles["BLOCK_M"], seqs)](
+            q, k, v, mask, prefix, t, *strides, out, SCALE=float(scale), **tiles, **common)
         return out
     tiles = blocks(d, dtype, split_rows) | tune
     tiles["BLOCK_M"] = block_m or split_block_m(groups * t)
-    acc = torch.empty(kv_heads, splits, groups * t, d, dtype=torch.float32, device=q.device)  # scratch
-    ml = torch.empty(kv_heads, splits, groups * t, 2, dtype=torch.float32, device=q.device)
-    tree_attention_split_kernel[grid(groups * t, kv_heads, tiles["BLOCK_M"], splits)](
-        q, k, v, mask, prefix, t, k.stride(1) // d, acc, ml, SCALE=float(scale), SPLIT_ROWS=split_rows,
+    acc = torch.empty(seqs, kv_heads, splits, groups * t, d, dtype=torch.float32, device=q.device)  # scratch
+    ml = torch.empty(seqs, kv_heads, splits, groups * t, 2, dtype=torch.float32, device=q.device)
+    tree_attention_split_kernel[grid(groups * t, kv_heads, tiles["BLOCK_M"], seqs * splits)](
+        q, k, v, mask, prefix, t, *strides, splits, acc, ml, SCALE=float(scale), SPLIT_ROWS=split_rows,
         **tiles, **common)
-    tree_attention_combine_kernel[grid(groups * t, kv_heads, COMBINE_BLOCK_M)](  # rows fold independently
+    tree_attention_combine_kernel[grid(groups * t, kv_heads, COMBINE_BLOCK_M, seqs)](  # rows fold independently
         acc, ml, prefix, t, splits, out, SPLIT_ROWS=split_rows, BLOCK_M=COMBINE_BLOCK_M,
         BLOCK_D=tiles["BLOCK_D"], **common)
     return out
@@ -283,11 +304,11 @@ def compile_aot(dtype: str, head_dim: int, groups: int, scale: float, arch: int 
     """Compile the direct kernel ahead of time for one dtype ("float32", "float16", "bfloat16") and shape
     family, for GPUs of compute capability `arch` (80: A100, 90: H100/H200), with no GPU: returns
     Triton's compiled kernel (`.asm["ptx"]`, `.asm["cubin"]`, `.metadata.name`, `.metadata.shared`).
-    T and KV_ROWS stay runtime int32 parameters (no value specialisation), as the plugin passes them.
+    T, KV_ROWS and KV_BATCH stay runtime int32 parameters (no value specialisation), as the plugin passes them.
     Not under TRITON_INTERPRET=1 (the interpreter replaces Triton's language: nothing compiles)."""
     ty = DTYPES[dtype]
     signature = {"q_ptr": f"*{ty}", "k_ptr": f"*{ty}", "v_ptr": f"*{ty}", "mask_ptr": "*i1", "prefix_ptr": "*i64",
-                 "T": "i32", "KV_ROWS": "i32", "out_ptr": f"*{ty}"}
+                 "T": "i32", "KV_ROWS": "i32", "KV_BATCH": "i32", "out_ptr": f"*{ty}"}
     constexprs = dict(GROUPS=groups, HEAD_DIM=head_dim, SCALE=float(scale), **blocks(head_dim, dtype))
     return _compile(tree_attention_kernel, signature, constexprs, arch, stages(head_dim, dtype))
 
@@ -300,7 +321,8 @@ def compile_split_aot(dtype: str, head_dim: int, groups: int, scale: float, arch
     tiles = {**blocks(head_dim, dtype, check_split_rows(split_rows)), "BLOCK_M": block_m}
     split = _compile(tree_attention_split_kernel,
                      {"q_ptr": f"*{ty}", "k_ptr": f"*{ty}", "v_ptr": f"*{ty}", "mask_ptr": "*i1",
-                      "prefix_ptr": "*i64", "T": "i32", "KV_ROWS": "i32", "acc_ptr": "*fp32", "ml_ptr": "*fp32"},
+                      "prefix_ptr": "*i64", "T": "i32", "KV_ROWS": "i32", "KV_BATCH": "i32", "SPLITS": "i32",
+                      "acc_ptr": "*fp32", "ml_ptr": "*fp32"},
                      dict(GROUPS=groups, HEAD_DIM=head_dim, SCALE=float(scale), SPLIT_ROWS=split_rows, **tiles),
                      arch, stages(head_dim, dtype))
     combine = _compile(tree_attention_combine_kernel,

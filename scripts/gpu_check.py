@@ -362,12 +362,33 @@ def kernel_section(run: Run) -> dict:
                                          f"D={d} split_rows={split_rows}: max error {err:.3g} (NaN: it read the "
                                          "cache tail)")
     fig["max_abs_error"] = worst
+    fig["batched_call_equals_each_sequence"] = batched_call_check(run, triton_kernel, random_tree_mask)
     if dev.type == "cuda":
         fig["cuda_graph_follows_prefix_len"] = captured_prefix_check(run)
         fig.update(kernel_timings(run))
     else:
         fig["cuda_graph_follows_prefix_len"] = "not checked (no GPU)"
     return fig
+
+
+def batched_call_check(run: Run, triton_kernel, random_tree_mask) -> bool:
+    """Issue 40: one call over 4 sequences (their own prefixes, trees, and cache slots: views of one
+    slotted cache) gives each sequence its own call's bits, direct and split."""
+    dev, gen = run.device, torch.Generator().manual_seed(1)
+    slots, rows, t = 4, 640, 6
+    cache = [torch.randn(1, 2, slots * rows, 32, generator=gen).to(dev) for _ in range(2)]
+    k, v = (c[0].unflatten(1, (slots, rows)).transpose(0, 1) for c in cache)  # [S, KVH, L, D]
+    q = torch.randn(slots, 8, t, 32, generator=gen).to(dev)
+    masks = torch.stack([random_tree_mask(t, gen) for _ in range(slots)]).to(dev)
+    prefix = torch.tensor([0, 5, 300, 600], device=dev)
+    for split_rows in (None, 64):
+        together = triton_kernel.tree_attention(q, k, v, masks, prefix, 0.17, split_rows)
+        for i in range(slots):
+            alone = triton_kernel.tree_attention(q[i : i + 1], k[i : i + 1], v[i : i + 1], masks[i], prefix[i], 0.17,
+                                                 split_rows)
+            if not torch.equal(together[i : i + 1], alone):
+                return False
+    return True
 
 
 def captured_prefix_check(run: Run) -> bool:
@@ -444,8 +465,28 @@ def kernel_timings(run: Run) -> dict:
             print(key, {n: round(x, 1) for n, x in fig.items() if key in n}, flush=True)
             if key in SWEEP_SHAPES:
                 sweeps[key] = (args, t)
+    fig.update(batched_timings(dev, triton_kernel))
     for key, (args, t) in sweeps.items():  # last: a launch setting that broke the device would cost no figure
         fig[f"sweep_{key}"] = tune_sweep(run, args, t, triton_kernel)
+    return fig
+
+
+def batched_timings(dev, triton_kernel, slots: int = 8, rows: int = 2048) -> dict:
+    """Issue 40 at the 7B's attention shapes: `slots` sequences (prefix 1,024 each, their own cache slots)
+    attended in one batched call, against a call per sequence, for AR steps (T = 1) and 16-row trees."""
+    fig = {}
+    cache = [torch.randn(1, 4, slots * rows, 128, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+    k, v = (c[0].unflatten(1, (slots, rows)).transpose(0, 1) for c in cache)  # [S, 4, L, 128]
+    prefix = torch.full((slots,), 1024, device=dev)
+    for t in (1, 16):
+        q = torch.randn(slots, 28, t, 128, device=dev, dtype=torch.bfloat16)
+        masks = torch.ones(slots, t, t, dtype=torch.bool, device=dev).tril()
+        fig[f"batch{slots}_T{t}_P1024_us"] = graph_time_us(
+            lambda q=q, m=masks: triton_kernel.tree_attention(q, k, v, m, prefix, 0.088))
+        fig[f"each{slots}_T{t}_P1024_us"] = graph_time_us(
+            lambda q=q, m=masks: [triton_kernel.tree_attention(q[i : i + 1], k[i : i + 1], v[i : i + 1], m[i],
+                                                               prefix[i], 0.088) for i in range(slots)])
+        print(f"batch T{t}", {n: round(x, 1) for n, x in fig.items() if f"_T{t}_" in n}, flush=True)
     return fig
 
 
@@ -942,7 +983,12 @@ def summary(report: dict) -> None:
     print("unmet requirements:", env.get("unmet") or "none")
     k = report.get("kernel", {})
     print("kernel max |error| vs reference:", k.get("max_abs_error"), "| CUDA graph follows prefix_len:",
-          k.get("cuda_graph_follows_prefix_len"))
+          k.get("cuda_graph_follows_prefix_len"), "| a batched call == each sequence's own:",
+          k.get("batched_call_equals_each_sequence"))
+    for t in (1, 16):
+        if f"batch8_T{t}_P1024_us" in k:
+            print(f"kernel, 8 sequences at T={t}: one batched call {k[f'batch8_T{t}_P1024_us']:.1f} us, a call each "
+                  f"{k[f'each8_T{t}_P1024_us']:.1f} us")
     lo = report.get("lossless", {})
     print("lossless: all == HF:", lo.get("all_equal_hf"), "| no recompiles:", lo.get("no_recompiles"))
     print("gpu tests:", report.get("gpu_tests", {}).get("status"), report.get("gpu_tests", {}).get("summary", ""))

@@ -185,6 +185,65 @@ def test_draft_pass_of_a_batch_equals_each_alone():
         torch.testing.assert_close(got, dp(f, start, bonus, block_start, slot), rtol=1e-5, atol=1e-5)
 
 
+def test_static_batched_passes_attend_in_one_op_call_per_layer():
+    """The static batched verify and draft passes (slots 0..S-1, trees padded to T rows) attend through ONE
+    call of `glance::tree_attention` per layer over the whole batch ([S, heads, T, D]: what a GPU runs as
+    one launch), not one per sequence."""
+    target, _, _ = tiny_target("qwen2")
+    drafter = glance_rt.init_drafter(target, block_size=4, seed=1)
+    dec = glance_rt.Decoder(target, drafter, tree_budget=6, backend="compile", max_length=64, max_batch=3,
+                            prepack=False)
+    graphs, cfg = dec.passes.graphs, target.parts.text_config
+    shapes = []
+
+    def backend(gm, example_inputs):
+        shapes.extend(tuple(n.meta["example_value"].shape) for n in gm.graph.nodes
+                      if str(n.target).startswith("glance.tree_attention"))
+        return gm.forward
+
+    slots, t, head_dim = 3, 5, cfg.hidden_size // cfg.num_attention_heads
+    masks = torch.ones(slots, t, t, dtype=torch.bool).tril()
+    starts = torch.tensor([9, 20, 4])
+    positions = (starts[:, None] + torch.arange(t)).reshape(1, -1)
+    torch.compile(graphs.verify_batch, backend=backend, fullgraph=True)(
+        torch.arange(slots * t), positions, starts, masks, torch.arange(-1, t - 1).repeat(slots, 1))
+    assert shapes == [(slots, cfg.num_attention_heads, t, head_dim)] * cfg.num_hidden_layers
+    shapes.clear()
+    r, width = graphs.ctx_rows, len(drafter.target_layer_ids) * cfg.hidden_size
+    torch.compile(graphs.draft_batch, backend=backend, fullgraph=True)(
+        torch.randn(slots, r, width), starts - r, torch.tensor([1, 2, 3]), starts)
+    layers, heads = len(graphs.draft_pass.drafter.layers), graphs.draft_pass.drafter.config.num_attention_heads
+    assert shapes == [(slots, heads, 4, graphs.draft_pass.drafter.config.head_dim)] * layers
+
+
+def test_one_op_call_over_slots_equals_a_call_per_sequence():
+    """TargetDecoder.forward_batch over slots 0..S-1 (one op call per layer, `SlotBatch`) == the same pass
+    run segment by segment: logits, features and every cache row written, bit for bit."""
+    from glance_rt.models.target import Segment
+
+    target, _, _ = tiny_target("llama")
+    dec = glance_rt.Decoder(target, None, max_length=48, max_batch=3, prepack=False)
+    verifier = dec.passes.verifier
+    gen = torch.Generator().manual_seed(5)
+    for buf in verifier.cache.buffers():
+        buf.copy_(torch.randn(buf.shape, generator=gen))
+    t, starts = 4, (11, 0, 30)
+    masks = [torch.rand(t, t, generator=gen).lt(0.5).tril() | torch.eye(t, dtype=torch.bool) for _ in starts]
+    segments = tuple(Segment(i, i * t, t, s + torch.arange(t), m, 48)
+                     for i, (s, m) in enumerate(zip(starts, masks, strict=True)))
+    embeds = torch.randn(1, 3 * t, target.parts.text_config.hidden_size, generator=gen)
+    positions = torch.cat([s.rows for s in segments])[None]
+    before = [b.clone() for b in verifier.cache.buffers()]
+    batched = verifier.forward_batch(embeds, positions, segments)
+    after = [b.clone() for b in verifier.cache.buffers()]
+    for b, saved in zip(verifier.cache.buffers(), before, strict=True):
+        b.copy_(saved)
+    each = verifier.run(embeds, positions, segments)  # a call per segment
+    assert all(torch.equal(x, y) for x, y in zip(batched, each, strict=True))
+    assert all(torch.equal(x, y) for x, y in zip(after, verifier.cache.buffers(), strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(after, before, strict=True))  # the pass wrote rows
+
+
 def test_decoders_on_one_target_share_its_prepared_weights():
     """A second Decoder (or a batch's slots) costs its caches: prepared weight copies are made once per
     target (`Target.layouts`) and shared; the caches grow with max_batch."""

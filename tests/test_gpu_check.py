@@ -147,6 +147,7 @@ def test_cpu_run_of_every_section(tmp_path):
                "--spare-budgets", "8", timeout=900)
     r = json.loads((tmp_path / "gpu_check.json").read_text())
     assert r["lossless"]["all_equal_hf"] and r["lossless"]["no_recompiles"]
+    assert r["kernel"]["batched_call_equals_each_sequence"] is True
     toy = r["timings"]["toy"]
     assert {"ar_step_ms", "draft_ms", "verify_4_ms", "round_4_ms", "verify_8_ms"} <= set(toy["compile"])  # 8: spare
     assert {"device_round_4_ms", "device_round_8_ms"} <= set(toy["compile"])  # --cpu runs the device rounds too

@@ -170,6 +170,36 @@ def test_tuned_launches_match_the_reference(tune):
         torch.testing.assert_close(got.cpu(), want, atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.usefixtures("interpreter_bf16_dot")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("split_rows", [None, 16])
+def test_a_batch_is_one_launch_with_each_sequences_own_result(dtype, split_rows):
+    """A batched call (`glance_rt.round.batch`): three sequences with their own prefix lengths (one 0) and
+    trees, k and v views of a slotted cache's first slots (sequence stride: a slot's rows; head stride: the
+    whole buffer's), the cache's other rows NaN. Each sequence's result == its own call's, bit for bit
+    (the same programs), and == the reference; a sequence reading another's slot would read NaN."""
+    slots, rows, kv_heads, heads, d, t = 4, 80, 2, 6, 16, 5
+    gen = torch.Generator().manual_seed(21)
+    prefixes = [40, 0, 7]
+    cache_k, cache_v = (torch.full((1, kv_heads, slots * rows, d), float("nan")) for _ in range(2))
+    for s, p in enumerate(prefixes):
+        for c in (cache_k, cache_v):
+            c[:, :, s * rows : s * rows + p + t] = torch.randn(1, kv_heads, p + t, d, generator=gen)
+    views = [c.to(device(), dtype)[0, :, : 3 * rows].unflatten(1, (3, rows)).transpose(0, 1)  # [3, KVH, L, D]
+             for c in (cache_k, cache_v)]
+    q = torch.randn(3, heads, t, d, generator=gen).to(device(), dtype)
+    masks = torch.stack([random_tree_mask(t, gen) for _ in prefixes]).to(device())
+    prefix = torch.tensor(prefixes, device=q.device)
+    got = triton_kernel.tree_attention(q, *views, masks, prefix, 0.25, split_rows)
+    assert got.shape == q.shape and not got.isnan().any()
+    for s, p in enumerate(prefixes):
+        k, v = (x[s : s + 1] for x in views)
+        alone = triton_kernel.tree_attention(q[s : s + 1], k, v, masks[s], prefix[s], 0.25, split_rows)
+        assert torch.equal(got[s : s + 1], alone), s
+        torch.testing.assert_close(got[s : s + 1].float().cpu(), expected(q[s : s + 1], k, v, masks[s], p, 0.25),
+                                   atol=TOL[dtype], rtol=TOL[dtype])
+
+
 def test_split_rows_must_be_a_power_of_two():
     q, k, v, mask = case(4, 2, 1, 10, 16, torch.float32, seed=1)
     for bad in (8, 48):
@@ -216,7 +246,7 @@ def test_aot_compile_matches_plugin_abi(compiled, arch, dtype):
     the entry's parameters are the ABI's in order, then only zero-sized hidden scratch pointers."""
     k = compiled[arch, dtype, 128]
     types = triton_kernel.check_abi(k["ptx"], k["name"], k["shared"], k["scratch"])
-    assert types[:8] == ["u64"] * 5 + ["u32"] * 2 + ["u64"]
+    assert types[:9] == ["u64"] * 5 + ["u32"] * 3 + ["u64"]
     assert k["scratch"] == {"global_scratch_size": 0, "profile_scratch_size": 0}
     v = triton_kernel.PTX_VERSION
     assert f".target sm_{arch}" in k["ptx"] and f".version {v // 10}.{v % 10}" in k["ptx"]
@@ -258,7 +288,7 @@ def test_plugin_ptx_assembles_with_exactly_the_abi(compiled, arch, dtype, tmp_pa
     k = compiled[arch, dtype, 128]
     ptx = triton_kernel.plugin_ptx(k, "glance_tree_attention_test")
     types = triton_kernel.check_abi(ptx, "glance_tree_attention_test", k["shared"], k["scratch"])
-    assert types == ["u64"] * 5 + ["u32"] * 2 + ["u64"]
+    assert types == ["u64"] * 5 + ["u32"] * 3 + ["u64"]
     assert not re.search(rf"\b{k['name']}\b", ptx)
     ptxas = shutil.which("ptxas")
     if ptxas is None:
@@ -273,10 +303,10 @@ def test_plugin_ptx_assembles_with_exactly_the_abi(compiled, arch, dtype, tmp_pa
 
 def test_plugin_ptx_refuses_a_body_that_reads_a_hidden_parameter(compiled):
     k = compiled[90, "float16", 128]
-    hidden = f"{k['name']}_param_8"
+    hidden = f"{k['name']}_param_9"
     assert hidden in k["ptx"]
     body = k["ptx"].replace("ret;", f"ld.param.u64 %rd999, [{hidden}];\n\tret;", 1)
-    with pytest.raises(ValueError, match="reads hidden parameter 8"):
+    with pytest.raises(ValueError, match="reads hidden parameter 9"):
         triton_kernel.plugin_ptx({**k, "ptx": body}, "x")
 
 

@@ -6,6 +6,11 @@ queries' own rows, visible where `tree_mask[t, j]`; rows past that are invisible
 prefill (causal mask), autoregression (`[[True]]`), tree verify (ancestor mask) and the drafter's
 block (all true). Prefix visibility is a length, not a mask.
 
+A call carries one sequence (q [1, H, T, D], tree_mask [T, T], prefix_len []) or a batch of B
+(`glance_rt.round.batch`: q [B, H, T, D], k, v [B, KVH, L, D] (views of the cache's slots),
+tree_mask [B, T, T], prefix_len [B]): each sequence sees its own cache rows, prefix and tree only (a
+block-diagonal mask over the batch's rows), and gets the result a call of its own gives it.
+
 Implementations: `tree_attention_reference` (torch SDPA) on CPU and any device without its own;
 on CUDA, the Triton kernel in `glance_rt/plugins/tree_attention_triton.py` (reads prefix_len on the
 device, attends only the rows each query can see, CUDA-graph capturable), the same kernel the
@@ -32,10 +37,24 @@ def visibility(tree_mask: Tensor, prefix_len: Tensor, kv_len: int) -> Tensor:
     return (j < prefix_len)[None, :] | (in_rows[None, :] & rows)
 
 
+def per_sequence(fn, q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len: Tensor, scale: float) -> Tensor:
+    """`fn` (tree attention of one sequence) over a call's sequences: one call as it is (tree_mask [T, T]),
+    a batch (tree_mask [B, T, T]) sequence by sequence -> [B, H, T, D]."""
+    if tree_mask.dim() == 2:
+        return fn(q, k, v, tree_mask, prefix_len, scale)
+    return torch.cat([fn(q[b : b + 1], k[b : b + 1], v[b : b + 1], tree_mask[b], prefix_len[b], scale)
+                      for b in range(q.shape[0])])
+
+
 def tree_attention_reference(
     q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len: Tensor, scale: float
 ) -> Tensor:
-    """q [1, H, T, D]; k, v [1, KVH, L, D]; tree_mask [T, T] bool; prefix_len [] int64 -> [1, H, T, D]."""
+    """q [1, H, T, D]; k, v [1, KVH, L, D]; tree_mask [T, T] bool; prefix_len [] int64 -> [1, H, T, D]
+    (or a batch: [B, ...], tree_mask [B, T, T], prefix_len [B])."""
+    return per_sequence(_one_sequence, q, k, v, tree_mask, prefix_len, scale)
+
+
+def _one_sequence(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len: Tensor, scale: float) -> Tensor:
     kv_heads, d = k.shape[1], q.shape[3]
     groups = q.shape[1] // kv_heads
     t, kv_len = q.shape[2], k.shape[2]

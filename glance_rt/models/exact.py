@@ -29,10 +29,13 @@ AR and GLANCE agree bit for bit; the two backends need not agree with each other
 """
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from glance_rt.models.attention import per_sequence, visibility
 
 EXACT_ROWS = 8  # rows of every GEMM of an exact decode pass
 
@@ -49,7 +52,8 @@ class ExactNumerics:
 
     @property
     def attention(self):
-        return static_row_attention if self.static else row_attention
+        """The attention of these numerics, for one sequence or a batch (`per_sequence`)."""
+        return partial(per_sequence, static_row_attention if self.static else row_attention)
 
 
 class RowBlockLinear(nn.Module):
@@ -100,8 +104,6 @@ def static_row_attention(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, pre
     to the front of a sequence as long as the cache (L rows), the rest behind them masked out. An AR
     step and a verify row at the same position then attend the same keys at the same places of a
     sequence of the same length, with no host read of prefix_len. q [1, H, T, D]; k, v [1, KVH, L, D]."""
-    from glance_rt.models.attention import visibility
-
     kv_heads, length, d = k.shape[1], k.shape[2], q.shape[3]
     h, t = q.shape[1], q.shape[2]
     seen = visibility(tree_mask, prefix_len, length)  # [T, L]

@@ -48,6 +48,19 @@ class KVCache(nn.Module):
         kc.index_copy_(2, rows, k)
         vc.index_copy_(2, rows, v)
 
+    def write_slots(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write k, v [1, KVH, S*T, D] of slots 0..S-1 (slot s's rows at s*T) at their cache rows `rows` [S, T]
+        in place: one scatter for the batch."""
+        base = torch.arange(rows.shape[0], device=rows.device)[:, None] * self.rows  # [S, 1]
+        self.write(layer, (rows + base).reshape(-1), k, v)
+
+    def read_slots(self, layer: int, slots: int, kv_len: int) -> tuple[Tensor, Tensor]:
+        """This layer's k, v of slots 0..S-1 over rows [0, kv_len) each: [S, KVH, kv_len, D] views (sequence
+        stride max_len rows, head stride the whole buffer's: what the op takes)."""
+        kc, vc = self._whole(layer)
+        return tuple(x[0, :, : slots * self.rows].unflatten(1, (slots, self.rows)).transpose(0, 1)[:, :, :kv_len]
+                     for x in (kc, vc))
+
     def read(self, layer: int, kv_len: int, slot: int = 0) -> tuple[Tensor, Tensor]:
         """This layer's k, v over rows [0, kv_len) of `slot`: [1, KVH, kv_len, D]. Eager passes read only
         the rows written so far; static passes read all `max_len` rows (a fixed shape)."""

@@ -57,6 +57,41 @@ class Segment:
     kv_len: int
 
 
+@dataclass(frozen=True)
+class SlotBatch:
+    """The sequences of cache slots 0..S-1 in a pass, T rows each in slot order (a static batched pass, its
+    trees padded to T rows, has this form): row s*T + t of the pass is slot s's row t, written at the
+    slot's cache row `rows[s, t]`; it sees the slot's prefix [0, rows[s, 0]) and its own rows where
+    `masks[s]`; attention reads rows [0, kv_len) of each slot. Its attention is ONE call of the op over
+    the batch (`attend_slots`)."""
+
+    rows: Tensor  # [S, T] int64
+    masks: Tensor  # [S, T, T] bool
+    kv_len: int
+
+    @staticmethod
+    def of(slots: list[int], rows: list[Tensor], masks: list[Tensor], kv_lens: list[int]) -> "SlotBatch | None":
+        """Several sequences' rows [T_i], masks [T_i, T_i] and read lengths as a SlotBatch, or None where they
+        are not one (one sequence; slots not 0..S-1 in order; another row count or read length)."""
+        if len(slots) < 2 or slots != list(range(len(slots))) or len({r.shape[0] for r in rows}) > 1 \
+                or len(set(kv_lens)) > 1:
+            return None
+        return SlotBatch(torch.stack(rows), torch.stack(masks), kv_lens[0])
+
+
+def attend_slots(attend_fn, batch: SlotBatch, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int,
+                 scale: float) -> Tensor:
+    """A SlotBatch's attention in one layer: q, k, v [1, heads, S*T, D] (slot s's rows at s*T) -> k, v into
+    their slots (one scatter), every slot's queries over its own cache rows in ONE call of `attend_fn`
+    (the op, batched: block-diagonal) -> [1, heads, S*T, D]."""
+    slots, t = batch.masks.shape[:2]
+    cache.write_slots(layer, batch.rows, k, v)
+    k_all, v_all = cache.read_slots(layer, slots, batch.kv_len)  # [S, KVH, L, D]
+    qs = q[0].unflatten(1, (slots, t)).transpose(0, 1)  # [S, H, T, D]
+    out = attend_fn(qs, k_all, v_all, batch.masks, batch.rows[:, 0], scale)  # [S, H, T, D]
+    return out.transpose(0, 1).flatten(1, 2)[None]  # [1, H, S*T, D]
+
+
 class Attention(nn.Module):
     """`exact`: exact numerics (`glance_rt.models.exact`), linear layers in GEMMs of a fixed row count and
     attention row by row."""
@@ -76,7 +111,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = float(getattr(hf_attn, "scaling", head_dim**-0.5))
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, segments: "tuple[Segment, ...]"):
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, segments: "tuple[Segment, ...] | SlotBatch"):
         t = x.shape[1]
         q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q = q.view(1, t, self.n_heads, self.head_dim)  # [1, T, H, D]
@@ -86,8 +121,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, H, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        outs = [self._attend_segment(s, q, k, v, cache, layer) for s in segments]  # each sequence's own cache
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)  # [1, H, T, D]
+        if isinstance(segments, SlotBatch):  # slots 0..S-1: one call of the op
+            out = attend_slots(self.attend, segments, q, k, v, cache, layer, self.scale)
+        else:
+            outs = [self._attend_segment(s, q, k, v, cache, layer) for s in segments]  # each sequence's own cache
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)  # [1, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(1, t, self.n_heads * self.head_dim))
 
     def _attend_segment(self, s: "Segment", q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int) -> Tensor:
@@ -210,10 +248,14 @@ class TargetDecoder(nn.Module):
         """Several sequences' rows in one pass (`glance_rt.round.batch`): embeds [1, T, H] and positions
         [1, T] / [3, 1, T] are the segments' rows concatenated in order; every linear layer runs once over
         all T rows, attention per segment over its own cache slot (block-diagonal: no row sees another
-        sequence's). -> logits [T, V], features [T, F]."""
-        return self.run(embeds, positions, segments)
+        sequence's): one call of the op over the batch where the segments are a `SlotBatch` (slots
+        0..S-1, T rows each: the static passes), else a call per segment. -> logits [T, V], features [T, F]."""
+        batch = SlotBatch.of([s.slot for s in segments], [s.rows for s in segments],
+                             [s.tree_mask for s in segments], [s.kv_len for s in segments])
+        return self.run(embeds, positions, segments if batch is None else batch)
 
-    def run(self, embeds: Tensor, positions: Tensor, segments: tuple[Segment, ...], logit_rows: Tensor | None = None,
+    def run(self, embeds: Tensor, positions: Tensor, segments: "tuple[Segment, ...] | SlotBatch",
+            logit_rows: Tensor | None = None,
             prefill: bool = False) -> tuple[Tensor, Tensor]:
         cos, sin = self.rotary_emb(embeds, positions)  # [1, T, D]
         h, feats = embeds, {}

@@ -11,9 +11,12 @@ round loop one sequence runs alone: lookup, tree, gate, sampling, stop rules) up
              -> each accepts and commits in its own slot
 
 In the verify pass the sequences' tree rows are concatenated: every linear layer runs once over all of
-them (the weights are read once per round, whatever the batch), and attention runs per sequence over
-its own cache slot, its prefix and its tree ancestors (`glance::tree_attention` per segment:
-block-diagonal, a row never sees another sequence's). Each sequence may have another prompt length,
+them (the weights are read once per round, whatever the batch), and each row attends its own sequence's
+cache slot, prefix and tree ancestors only (block-diagonal: a row never sees another sequence's). The
+static passes (slots 0..S-1, trees padded to T rows: `SlotBatch`) make that ONE call of
+`glance::tree_attention` per layer over the batch (q [S, H, T, D], each slot's cache rows, tree mask
+and prefix length; on a GPU one launch of the Triton kernel, a grid axis per sequence); eager passes,
+whose trees keep their own sizes, call it per sequence. Each sequence may have another prompt length,
 tree budget, lookup chain, sampling setting, or take a one-row autoregressive step while others draft.
 Sequences join (`add`) and leave (finished or `cancel`) at round boundaries; a slot is given back when
 its sequence leaves.
@@ -24,8 +27,8 @@ rounding of a row may differ with its neighbours in a GEMM (so in fast numerics,
 any two engines; with `numerics="exact"` every row gets a one-row step's bits, so not even those).
 Batched passes run eagerly or compiled (`StaticGraphs.verify_batch` / `draft_batch`: a graph per
 (slots, rows) bucket, each tree padded to the step's longest, free slots padded; CUDA graphs on a GPU;
-`Decoder.warmup` compiles every bucket, so sequences joining and leaving never recompile); engines run
-one sequence (`max_batch=1`). A
+`Decoder.warmup` compiles every bucket, so sequences joining and leaving never recompile); AOTInductor
+engines built with `--max-batch` carry those graphs (the others run one sequence). A
 sequence's `Stats` count its own rounds, tokens and draft passes; its phase timings and round seconds
 are wall time, so they include the batch's other sequences' work in the same step. The draft gate
 weighs a sequence's rounds by what they cost it in the batch instead: its own host work and its share

@@ -20,6 +20,7 @@ from glance_rt.models.drafter import GlanceDrafter, rope, rope_tables
 from glance_rt.models.kernels import KernelPlan, class_index, nearest_class, with_plan
 from glance_rt.models.kv_cache import KVCache
 from glance_rt.models.linear import swap_linears
+from glance_rt.models.target import SlotBatch, attend_slots
 
 
 class DraftPass(nn.Module):
@@ -109,8 +110,9 @@ class DraftPass(nn.Module):
 
     def blocks(self, items: tuple) -> list[Tensor]:
         """`block` for several sequences in one pass: items ((slot, bonus [], block_start [], kv_len), ...);
-        every linear layer runs over all their rows, attention per sequence over its own slot -> each
-        one's draft logits [B-1, V]."""
+        every linear layer runs over all their rows, attention per sequence over its own slot (one call of
+        the op where they are slots 0..S-1 reading as many rows: `SlotBatch`) -> each one's draft logits
+        [B-1, V]."""
         b = self.block_size
         h = _cat([self.block_embeds(bonus) for _, bonus, _, _ in items], 1)  # [1, n*B, H]
         rows = [start + torch.arange(b, device=h.device) for _, _, start, _ in items]  # [B] each
@@ -118,7 +120,12 @@ class DraftPass(nn.Module):
         d = self.drafter if len(items) == 1 else self.drafters[class_index(h.shape[1], self.row_classes)]
         scale = d.config.head_dim**-0.5
 
+        batch = SlotBatch.of([slot for slot, *_ in items], rows, [self.block_mask] * len(items),
+                             [kv_len for *_, kv_len in items])  # slots 0..S-1 (static passes): one op call
+
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # the block's rows join the cache
+            if batch is not None:
+                return attend_slots(attend_tree, batch, q, k, v, self.cache, i, scale)
             out = []
             for (slot, _, start, kv_len), r, (q_i, k_i, v_i) in zip(items, rows, _split((q, k, v), [b] * len(items)),
                                                                    strict=True):
