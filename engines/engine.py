@@ -58,7 +58,7 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
                  max_len: int = 1024, chunk: int = 64, target_source=None, drafter_source=None,
                  progress: bool = True, flavor: str | None = None, ort_include=None, image_sizes=(),
                  tuner: KernelTuner | None = None, lookup_budget: int = 0, numerics: str = "fast",
-                 max_batch: int = 1) -> Path:
+                 max_batch: int = 1, mapped_weights: bool = False) -> Path:
     """Build the static graphs of `target` (+ `drafter`) for `backend` into the folder `out`.
     An interrupted build resumes from its finished graphs; the manifest is written last.
     `flavor` (None: the backend's default, the first in FLAVORS): for aoti, "frozen" compiles the
@@ -76,7 +76,9 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     static form), recorded in the manifest; a load runs them as a Decoder with numerics="exact".
     `max_batch` > 1 (aoti only, a GLANCE drafter or none): the caches hold that many sequences and the
     engine carries the batched graphs (`StaticGraphs.verify_batch` per (slots, rows) bucket and
-    `draft_batch` per slots bucket) for `glance_rt.Batch`; a load runs a Decoder of that max_batch."""
+    `draft_batch` per slots bucket) for `glance_rt.Batch`; a load runs a Decoder of that max_batch.
+    `mapped_weights` (onnxruntime only): a load's sessions all read one memory map of the engine's
+    weights file, prepacking off (one copy in memory, slower GEMMs), instead of each prepacking its own."""
     if backend not in FLAVORS:
         raise GlanceError(f"unknown engine backend {backend!r}: choose one of {', '.join(ENGINE_BACKENDS)}")
     if flavor is not None and flavor not in FLAVORS[backend]:
@@ -92,6 +94,9 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     if max_batch > 1 and (backend != "aoti" or eagle3_shape(drafter) is not None):
         raise GlanceError(f"--max-batch {max_batch}: batched engines are built with --backend aoti over a GLANCE "
                           f"drafter or none; {backend} graphs (and EAGLE-3 heads) take one sequence")
+    if mapped_weights and backend != "onnxruntime":
+        raise GlanceError(f"--mapped-weights is for onnxruntime engines; {backend} engines already hold one copy of "
+                          "the weights in memory (aoti) or keep them in their engines (tensorrt)")
     impl = _backend(backend)
     image_sizes = [list(s) for s in image_sizes]
     if image_sizes and backend == "aoti":
@@ -128,7 +133,7 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
         (out / "build.json.tmp").replace(started)
     if backend == "onnxruntime":
         impl.build(graphs, out, budgets, chain, chunk, manifest, progress, flavor=flavor, ort_include=ort_include,
-                   image_sizes=image_sizes, target=target)
+                   image_sizes=image_sizes, target=target, weights="mapped" if mapped_weights else "prepacked")
     elif backend == "tensorrt":
         impl.build(graphs, out, budgets, chain, chunk, manifest, progress, flavor=flavor, image_sizes=image_sizes,
                    target=target)

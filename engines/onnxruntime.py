@@ -5,6 +5,12 @@ cache buffers) and returns only the rows it wrote, which are written back into t
 cache is never copied across the graph boundary. The `portable` flavor runs anywhere (tree
 attention is a model-local ONNX function); the `plugin` flavor runs every `glance.TreeAttention`
 node through glance-rt's compiled kernel library (`ort_plugin`), which the folder carries.
+
+Weights: the graphs share one data file on disk (`glance_rt.export.weights`). In memory, by default
+("prepacked"), each session prepacks its own copy for its GEMMs (the fastest kernels; +2.3 GB for the
+default target's six graphs). An engine built with mapped weights (`build-engine --mapped-weights`)
+hands every session the same read-only memory map of the data file and turns prepacking off: one copy
+of the weights, shared with the page cache, at a measured cost in speed (docs/engines.md).
 """
 
 import math
@@ -17,9 +23,10 @@ from glance_rt.engines.ort_plugin import library_for
 from glance_rt.errors import require
 from glance_rt.export.onnx import export_onnx, exported_runners, written_rows
 from glance_rt.export.vision import VisionGraphs, export_vision
-from glance_rt.export.weights import share_weights
+from glance_rt.export.weights import mapped_initializers, share_weights
 
 BACKEND = "onnxruntime"
+WEIGHTS = ("prepacked", "mapped")  # each session prepacks its own copy; every session reads one memory map
 
 
 def session_options(path: Path, flavor: str, threads: int | None = None):
@@ -41,14 +48,24 @@ def session_options(path: Path, flavor: str, threads: int | None = None):
     return so
 
 
-def _session(path: Path, info: dict, flavor: str):
-    """A session over one graph. On disk the graphs share one data file; in memory each session holds
-    its own initializers (handing them the same memory map did not stop ONNX Runtime from copying them:
-    measured, docs/benchmarks.md 2026-12-05)."""
+def _session(path: Path, info: dict, flavor: str, mapped: dict | None = None):
+    """A session over one graph. `mapped` None: it prepacks its own copy of the weights (as
+    `add_external_initializers` does too: that copies); else the engine's one memory map of its data file
+    (`mapped_initializers`, this dict shared by all its sessions and kept as long as they are) with
+    prepacking off, which alone keeps ONNX Runtime from copying (docs/benchmarks.md 2026-12-05)."""
     import onnxruntime as ort
 
     so = session_options(path, flavor, torch.get_num_threads())
+    if mapped is not None:
+        so.add_session_config_entry("session.disable_prepacking", "1")
+        for name, value in mapped_initializers(path, info["file"], mapped):
+            so.add_initializer(name, value)
     return ort.InferenceSession(str(path / info["file"]), so, providers=["CPUExecutionProvider"])
+
+
+def _weights(manifest: dict) -> dict | None:
+    """The engine's shared memory map of its weights (filled as sessions load), or None: prepacked."""
+    return {} if manifest.get("weights", "prepacked") == "mapped" else None
 
 
 DTYPES = {"float": torch.float32, "float32": torch.float32, "float16": torch.float16, "int64": torch.int64,
@@ -76,8 +93,9 @@ class BoundGraph:
 
     Outputs are reused by the next call of the same graph (as with a CUDA-graph replay)."""
 
-    def __init__(self, sess, info: dict, name: str, graphs, bufs: list):
+    def __init__(self, sess, info: dict, name: str, graphs, bufs: list, weights: dict | None = None):
         self.sess, self.name, self.graphs, self.bufs = sess, name, graphs, bufs
+        self.weights = weights  # the memory map its session reads (mapped weights): alive as long as it is
         self.written_rows = written_rows
         self.in_names = [i[0] for i in info["inputs"][: len(info["inputs"]) - len(bufs)]]
         self.binding = sess.io_binding()
@@ -101,9 +119,11 @@ class BoundGraph:
 
 
 def runners(path: Path, manifest: dict, graphs) -> dict:
-    """The callables StaticPasses runs, one ONNX Runtime session per graph."""
+    """The callables StaticPasses runs, one ONNX Runtime session per graph (mapped weights: all over one
+    memory map of the engine's data file)."""
+    mapped = _weights(manifest)
     return exported_runners(manifest, graphs, lambda info, name, bufs: BoundGraph(
-        _session(path, info, manifest["flavor"]), info, name, graphs, bufs))
+        _session(path, info, manifest["flavor"], mapped), info, name, graphs, bufs, mapped))
 
 
 def vision(path: Path, manifest: dict, target):
@@ -128,10 +148,11 @@ def _optimize(out: Path, key: str, info: dict, flavor: str) -> None:
 
 
 def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, progress: bool = True,
-          flavor: str = "portable", ort_include=None, image_sizes=(), target=None) -> None:
+          flavor: str = "portable", ort_include=None, image_sizes=(), target=None, weights: str = "prepacked") -> None:
     """Export the graphs (and a VLM's vision graphs, one per image size), then save each as ONNX
     Runtime's optimized graph. The plugin flavor first compiles the TreeAttention kernel library
-    into the folder (`ort_include`: its C API headers)."""
+    into the folder (`ort_include`: its C API headers). `weights` (`WEIGHTS`): how a load's decode
+    sessions hold the weights, recorded in the manifest (vision sessions prepack theirs)."""
     from importlib import metadata
 
 
@@ -155,4 +176,6 @@ def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, p
     manifest.update(flavor=flavor, graphs=exported, versions={**manifest["versions"], **libs},
                     session_options={"graph_optimization_level": "ORT_ENABLE_ALL",
                                      "providers": ["CPUExecutionProvider"], "session.intra_op.allow_spinning": "0",
-                                     "intra_op_num_threads": "torch.get_num_threads() at load"})
+                                     "intra_op_num_threads": "torch.get_num_threads() at load",
+                                     **({"session.disable_prepacking": "1"} if weights == "mapped" else {})},
+                    weights=weights)

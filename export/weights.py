@@ -6,8 +6,9 @@ export: 1.7 GB for three graphs of 538 MB). `share_weights` rewrites the graphs 
 every initializer of at least `MIN_BYTES` lives once, in one external-data file (`WEIGHTS`), each
 graph's initializers pointing at their bytes there (ONNX's external data: location, offset, length);
 identical tensors are found by content (SHA-256, dtype, shape), whatever the exporter named them.
-ONNX Runtime and TensorRT read such graphs as they are (on disk; each ONNX Runtime session still holds
-its own copy in memory).
+ONNX Runtime and TensorRT read such graphs as they are. In memory each ONNX Runtime session prepacks
+its own copy, unless the engine was built with mapped weights (`mapped_initializers`: every session
+reads one read-only memory map of the data file, prepacking off).
 
 Interruptible: the data file is only appended to (and flushed) before a graph that points into it is
 written under a temporary name and renamed over the old one; a graph's old data file is deleted once no
@@ -107,3 +108,30 @@ def _points_at(file: Path, location: str) -> bool:
         return False
     model = onnx.load(str(file), load_external_data=False)
     return any(_external(t).get("location") == location for t in _tensors(model))
+
+
+def mapped_initializers(folder: Path, file: str, values: dict) -> list[tuple[str, object]]:
+    """The initializers of graph `file` (in `folder`) that live in the shared data file, as ONNX Runtime
+    OrtValues over ONE read-only memory map of it -> [(initializer name, OrtValue)]. `values` holds the
+    map and the values made so far: pass the same dict for every session of an engine (a tensor several
+    graphs read is one OrtValue) and keep it as long as the sessions (they do not own the memory)."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    folder = Path(folder)
+    model = onnx.load(str(folder / file), load_external_data=False)
+    out = []
+    for t in model.graph.initializer:
+        ext = _external(t)
+        if ext.get("location") != WEIGHTS:
+            continue
+        if WEIGHTS not in values:
+            values[WEIGHTS] = np.memmap(folder / WEIGHTS, dtype=np.uint8, mode="r")
+        key = (int(ext["offset"]), int(ext["length"]), t.data_type, tuple(t.dims))
+        if key not in values:
+            raw = values[WEIGHTS][key[0] : key[0] + key[1]].view(tensor_dtype_to_np_dtype(t.data_type))
+            values[key] = ort.OrtValue.ortvalue_from_numpy(raw.reshape(key[3]))  # a view of the map: no copy
+        out.append((t.name, values[key]))
+    return out

@@ -615,9 +615,12 @@ def _engine_decoder(method: Method, target_path, drafter_path, max_batch: int | 
 @click.option("--max-batch", default=1, show_default=True, type=int,
               help="aoti: sequences the engine decodes at once (batched verify and draft graphs per batch bucket, "
                    "for `serve` and glance_rt.Batch); a cache slot of --max-length rows each.")
+@click.option("--mapped-weights", is_flag=True,
+              help="onnxruntime: every session reads one memory map of the engine's weights file (one copy in "
+                   "memory, shared with the page cache) instead of each prepacking its own copy (faster GEMMs).")
 @click.option("--out", required=True, type=click.Path(), help="Engine folder (resumes an interrupted build).")
 def build_engine(target_path, drafter_path, backend, budgets, chain, max_length, chunk, no_drafter, flavor,
-                 lookup_budget, image_sizes, ort_include, dtype, device, exact, max_batch, out):
+                 lookup_budget, image_sizes, ort_include, dtype, device, exact, max_batch, mapped_weights, out):
     """Compile the draft, verify and prefill passes of a target (+ drafter) into an engine folder."""
     from glance_rt.engines.engine import build_engine as build
 
@@ -629,7 +632,7 @@ def build_engine(target_path, drafter_path, backend, budgets, chain, max_length,
         build(target, drafter, out, backend=backend, budgets=budgets, chain=chain, max_len=max_length, chunk=chunk,
               target_source=target_path, drafter_source=drafter_path, flavor=flavor, ort_include=ort_include,
               image_sizes=image_sizes, lookup_budget=_lookup_bucket(lookup_budget, drafter, chain),
-              numerics="exact" if exact else "fast", max_batch=max_batch)
+              numerics="exact" if exact else "fast", max_batch=max_batch, mapped_weights=mapped_weights)
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"engine: {out} ({backend}, {time.perf_counter() - start:.0f} s)")

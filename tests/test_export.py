@@ -142,3 +142,31 @@ def test_an_export_holds_one_copy_of_the_weights(tmp_path):
     inputs = make_inputs("qwen2", processor)
     dec = glance_rt.Decoder.from_engine(out, target, drafter)
     assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(model, inputs, NEW)
+
+
+def test_an_onnxruntime_engine_with_mapped_weights_reads_one_memory_map(tmp_path):
+    """`build-engine --mapped-weights`: every session takes its initializers from one read-only memory map
+    of the engine's data file (a tensor several graphs read: one value), prepacking off; tokens == HF
+    greedy; recorded in the manifest; other backends refuse the flag."""
+    from glance_rt.engines.engine import build_engine
+    from glance_rt.export.weights import WEIGHTS, mapped_initializers
+
+    target, model, processor = tiny_target("qwen2")
+    drafter = glance_rt.init_drafter(target, num_layers=2, block_size=4, seed=1)
+    out = build_engine(target, drafter, tmp_path / "ort", backend="onnxruntime", budgets=(4,), max_len=96, chunk=8,
+                       progress=False, mapped_weights=True)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["weights"] == "mapped" and m["session_options"]["session.disable_prepacking"] == "1"
+    values = {}
+    named = {g: mapped_initializers(out, info["file"], values) for g, info in m["graphs"].items()}
+    assert all(named.values()) and isinstance(values[WEIGHTS], np.memmap)
+    shared = [v for g in named if g.startswith(("prefill", "verify")) for _, v in named[g]]
+    assert len({id(v) for v in shared}) < len(shared)  # the target's weights: one value for both graphs
+    inputs = make_inputs("qwen2", processor)
+    dec = glance_rt.Decoder.from_engine(out, target, drafter)
+    assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(model, inputs, NEW)
+    bound = [f for f in dec.passes.fns.values() if hasattr(f, "weights")]  # the sessions the load made
+    assert bound and all(f.weights is bound[0].weights and WEIGHTS in f.weights for f in bound)
+    with pytest.raises(glance_rt.GlanceError, match="--mapped-weights is for onnxruntime"):
+        build_engine(target, drafter, tmp_path / "aoti", backend="aoti", budgets=(4,), max_len=96, chunk=8,
+                     progress=False, mapped_weights=True)
