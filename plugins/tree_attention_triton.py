@@ -275,7 +275,7 @@ def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int
     if k.stride(3) != 1 or k.stride(2) != d or v.stride() != k.stride():
         k, v = k.contiguous(), v.contiguous()
     out = torch.empty_like(q)  # [B, H, T, D]
-    prefix = prefix_len.reshape(seqs).to(torch.int64)  # [B]
+    prefix = prefix_len.reshape(seqs).to(torch.int64).contiguous()  # [B] (a batch's: a column of its rows)
     mask = tree_mask.contiguous()  # [B, T, T] (or [T, T]: B = 1)
     strides = (k.stride(1) // d, k.stride(0) // d)  # KV_ROWS, KV_BATCH: head and sequence strides in rows
     tune = dict(tune or {})

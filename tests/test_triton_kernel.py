@@ -189,7 +189,8 @@ def test_a_batch_is_one_launch_with_each_sequences_own_result(dtype, split_rows)
              for c in (cache_k, cache_v)]
     q = torch.randn(3, heads, t, d, generator=gen).to(device(), dtype)
     masks = torch.stack([random_tree_mask(t, gen) for _ in prefixes]).to(device())
-    prefix = torch.tensor(prefixes, device=q.device)
+    rows = torch.tensor(prefixes, device=q.device)[:, None] + torch.arange(t, device=q.device)  # [3, T]
+    prefix = rows[:, 0]  # as the model passes it: a column of the batch's cache rows (not contiguous)
     got = triton_kernel.tree_attention(q, *views, masks, prefix, 0.25, split_rows)
     assert got.shape == q.shape and not got.isnan().any()
     for s, p in enumerate(prefixes):
