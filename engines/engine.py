@@ -133,7 +133,7 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
         (out / "build.json.tmp").replace(started)
     if backend == "onnxruntime":
         impl.build(graphs, out, budgets, chain, chunk, manifest, progress, flavor=flavor, ort_include=ort_include,
-                   image_sizes=image_sizes, target=target, weights="mapped" if mapped_weights else "prepacked")
+                   image_sizes=image_sizes, target=target, mapped_weights=mapped_weights)
     elif backend == "tensorrt":
         impl.build(graphs, out, budgets, chain, chunk, manifest, progress, flavor=flavor, image_sizes=image_sizes,
                    target=target)

@@ -26,7 +26,6 @@ from glance_rt.export.vision import VisionGraphs, export_vision
 from glance_rt.export.weights import mapped_initializers, share_weights
 
 BACKEND = "onnxruntime"
-WEIGHTS = ("prepacked", "mapped")  # each session prepacks its own copy; every session reads one memory map
 
 
 def session_options(path: Path, flavor: str, threads: int | None = None):
@@ -148,11 +147,13 @@ def _optimize(out: Path, key: str, info: dict, flavor: str) -> None:
 
 
 def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, progress: bool = True,
-          flavor: str = "portable", ort_include=None, image_sizes=(), target=None, weights: str = "prepacked") -> None:
+          flavor: str = "portable", ort_include=None, image_sizes=(), target=None,
+          mapped_weights: bool = False) -> None:
     """Export the graphs (and a VLM's vision graphs, one per image size), then save each as ONNX
     Runtime's optimized graph. The plugin flavor first compiles the TreeAttention kernel library
-    into the folder (`ort_include`: its C API headers). `weights` (`WEIGHTS`): how a load's decode
-    sessions hold the weights, recorded in the manifest (vision sessions prepack theirs)."""
+    into the folder (`ort_include`: its C API headers). `mapped_weights`: a load's decode sessions read
+    one memory map of the weights (manifest `weights`: "mapped"; else "prepacked", each session its own
+    copy; vision sessions prepack theirs either way)."""
     from importlib import metadata
 
 
@@ -177,5 +178,5 @@ def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, p
                     session_options={"graph_optimization_level": "ORT_ENABLE_ALL",
                                      "providers": ["CPUExecutionProvider"], "session.intra_op.allow_spinning": "0",
                                      "intra_op_num_threads": "torch.get_num_threads() at load",
-                                     **({"session.disable_prepacking": "1"} if weights == "mapped" else {})},
-                    weights=weights)
+                                     **({"session.disable_prepacking": "1"} if mapped_weights else {})},
+                    weights="mapped" if mapped_weights else "prepacked")

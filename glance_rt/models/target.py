@@ -70,13 +70,43 @@ class SlotBatch:
     kv_len: int
 
     @staticmethod
-    def of(slots: list[int], rows: list[Tensor], masks: list[Tensor], kv_lens: list[int]) -> "SlotBatch | None":
-        """Several sequences' rows [T_i], masks [T_i, T_i] and read lengths as a SlotBatch, or None where they
-        are not one (one sequence; slots not 0..S-1 in order; another row count or read length)."""
-        if len(slots) < 2 or slots != list(range(len(slots))) or len({r.shape[0] for r in rows}) > 1 \
-                or len(set(kv_lens)) > 1:
+    def of(segments: "tuple[Segment, ...]") -> "SlotBatch | None":
+        """The segments as a SlotBatch, or None where they are not one (one sequence; slots not 0..S-1 in
+        order; another row count or read length)."""
+        if len(segments) < 2 or [s.slot for s in segments] != list(range(len(segments))) \
+                or len({(s.length, s.kv_len) for s in segments}) > 1:
             return None
-        return SlotBatch(torch.stack(rows), torch.stack(masks), kv_lens[0])
+        return SlotBatch(torch.stack([s.rows for s in segments]), torch.stack([s.tree_mask for s in segments]),
+                         segments[0].kv_len)
+
+
+def layout(segments: "tuple[Segment, ...]") -> "tuple[Segment, ...] | SlotBatch":
+    """How a pass's sequences attend (`attend_pass`): as one SlotBatch where they are one, else segment by
+    segment."""
+    batch = SlotBatch.of(segments)
+    return segments if batch is None else batch
+
+
+def attend_pass(attend_fn, seqs: "tuple[Segment, ...] | SlotBatch", q: Tensor, k: Tensor, v: Tensor, cache: KVCache,
+                layer: int, scale: float) -> Tensor:
+    """One layer's attention in a pass (the target's or the drafter's): q, k, v [1, heads, T, D], the pass's
+    rows laid out by `seqs` (`layout`) -> [1, heads, T, D]. Each sequence's k, v go into its own cache slot
+    and its queries see that slot alone: one call of `attend_fn` for a SlotBatch, one per segment else."""
+    if isinstance(seqs, SlotBatch):
+        return attend_slots(attend_fn, seqs, q, k, v, cache, layer, scale)
+    outs = [attend_segment(attend_fn, s, q, k, v, cache, layer, scale) for s in seqs]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 2)  # [1, heads, T, D]
+
+
+def attend_segment(attend_fn, s: Segment, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int,
+                   scale: float) -> Tensor:
+    """One sequence's rows of q, k, v [1, heads, T, D] (all of them when it is the only one): its k, v into
+    its cache slot, its queries over that slot -> [1, heads, s.length, D]."""
+    if s.length != q.shape[2]:
+        q, k, v = (x.narrow(2, s.offset, s.length) for x in (q, k, v))
+    cache.write(layer, s.rows, k, v, s.slot)
+    k_all, v_all = cache.read(layer, s.kv_len, s.slot)  # [1, KVH, L, D]
+    return attend_fn(q, k_all, v_all, s.tree_mask, s.rows[0], scale)
 
 
 def attend_slots(attend_fn, batch: SlotBatch, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int,
@@ -121,21 +151,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, H, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if isinstance(segments, SlotBatch):  # slots 0..S-1: one call of the op
-            out = attend_slots(self.attend, segments, q, k, v, cache, layer, self.scale)
-        else:
-            outs = [self._attend_segment(s, q, k, v, cache, layer) for s in segments]  # each sequence's own cache
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)  # [1, H, T, D]
+        out = attend_pass(self.attend, segments, q, k, v, cache, layer, self.scale)  # [1, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(1, t, self.n_heads * self.head_dim))
-
-    def _attend_segment(self, s: "Segment", q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int) -> Tensor:
-        """One sequence's rows of q, k, v [1, H, T, D] (all of them when it is the only one): its k, v into
-        its cache slot, its queries over that slot -> [1, H, s.length, D]."""
-        if s.length != q.shape[2]:
-            q, k, v = (x.narrow(2, s.offset, s.length) for x in (q, k, v))
-        cache.write(layer, s.rows, k, v, s.slot)
-        k_all, v_all = cache.read(layer, s.kv_len, s.slot)  # [1, KVH, L, D]
-        return self.attend(q, k_all, v_all, s.tree_mask, s.rows[0], self.scale)
 
 
 class MLP(nn.Module):
@@ -250,9 +267,7 @@ class TargetDecoder(nn.Module):
         all T rows, attention per segment over its own cache slot (block-diagonal: no row sees another
         sequence's): one call of the op over the batch where the segments are a `SlotBatch` (slots
         0..S-1, T rows each: the static passes), else a call per segment. -> logits [T, V], features [T, F]."""
-        batch = SlotBatch.of([s.slot for s in segments], [s.rows for s in segments],
-                             [s.tree_mask for s in segments], [s.kv_len for s in segments])
-        return self.run(embeds, positions, segments if batch is None else batch)
+        return self.run(embeds, positions, layout(segments))
 
     def run(self, embeds: Tensor, positions: Tensor, segments: "tuple[Segment, ...] | SlotBatch",
             logit_rows: Tensor | None = None,

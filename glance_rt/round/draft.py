@@ -20,7 +20,7 @@ from glance_rt.models.drafter import GlanceDrafter, rope, rope_tables
 from glance_rt.models.kernels import KernelPlan, class_index, nearest_class, with_plan
 from glance_rt.models.kv_cache import KVCache
 from glance_rt.models.linear import swap_linears
-from glance_rt.models.target import SlotBatch, attend_slots
+from glance_rt.models.target import Segment, attend_pass, layout
 
 
 class DraftPass(nn.Module):
@@ -120,19 +120,11 @@ class DraftPass(nn.Module):
         d = self.drafter if len(items) == 1 else self.drafters[class_index(h.shape[1], self.row_classes)]
         scale = d.config.head_dim**-0.5
 
-        batch = SlotBatch.of([slot for slot, *_ in items], rows, [self.block_mask] * len(items),
-                             [kv_len for *_, kv_len in items])  # slots 0..S-1 (static passes): one op call
+        seqs = layout(tuple(Segment(slot, j * b, b, r, self.block_mask, kv_len)  # slots 0..S-1: one op call
+                            for j, ((slot, *_, kv_len), r) in enumerate(zip(items, rows, strict=True))))
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # the block's rows join the cache
-            if batch is not None:
-                return attend_slots(attend_tree, batch, q, k, v, self.cache, i, scale)
-            out = []
-            for (slot, _, start, kv_len), r, (q_i, k_i, v_i) in zip(items, rows, _split((q, k, v), [b] * len(items)),
-                                                                   strict=True):
-                self.cache.write(i, r, k_i, v_i, slot)
-                k_all, v_all = self.cache.read(i, kv_len, slot)  # [1, nkv, L, D]
-                out.append(attend_tree(q_i, k_all, v_all, self.block_mask, start, scale))
-            return _cat(out, 2)  # [1, nh, n*B, D]
+            return attend_pass(attend_tree, seqs, q, k, v, self.cache, i, scale)  # [1, nh, n*B, D]
 
         # all B rows through the head, then drop row 0 (a GEMM of B rows is the faster shape);
         # draft numerics never affect the output, only acceptance
