@@ -58,7 +58,7 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
                  max_len: int = 1024, chunk: int = 64, target_source=None, drafter_source=None,
                  progress: bool = True, flavor: str | None = None, ort_include=None, image_sizes=(),
                  tuner: KernelTuner | None = None, lookup_budget: int = 0, numerics: str = "fast",
-                 max_batch: int = 1, mapped_weights: bool = False) -> Path:
+                 max_batch: int = 1, mapped_weights: bool = False, dynamic_rows: bool = False) -> Path:
     """Build the static graphs of `target` (+ `drafter`) for `backend` into the folder `out`.
     An interrupted build resumes from its finished graphs; the manifest is written last.
     `flavor` (None: the backend's default, the first in FLAVORS): for aoti, "frozen" compiles the
@@ -78,7 +78,10 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     engine carries the batched graphs (`StaticGraphs.verify_batch` per (slots, rows) bucket and
     `draft_batch` per slots bucket) for `glance_rt.Batch`; a load runs a Decoder of that max_batch.
     `mapped_weights` (onnxruntime only): a load's sessions all read one memory map of the engine's
-    weights file, prepacking off (one copy in memory, slower GEMMs), instead of each prepacking its own."""
+    weights file, prepacking off (one copy in memory, slower GEMMs), instead of each prepacking its own.
+    `dynamic_rows` (onnxruntime; tensorrt always): the tree buckets' verify graphs as one graph with a
+    symbolic row dimension (`glance_rt.export.onnx.dynamic_verify`): one session for all of them; a
+    TensorRT build makes it one engine with an optimization profile per bucket."""
     if backend not in FLAVORS:
         raise GlanceError(f"unknown engine backend {backend!r}: choose one of {', '.join(ENGINE_BACKENDS)}")
     if flavor is not None and flavor not in FLAVORS[backend]:
@@ -97,6 +100,10 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     if mapped_weights and backend != "onnxruntime":
         raise GlanceError(f"--mapped-weights is for onnxruntime engines; {backend} engines already hold one copy of "
                           "the weights in memory (aoti) or keep them in their engines (tensorrt)")
+    if dynamic_rows and backend == "aoti":
+        raise GlanceError("--dynamic-rows is for onnxruntime engines (tensorrt engines always have it); an aoti "
+                          "engine compiles a package per verify bucket, sharing one copy of the weights at load")
+    dynamic_rows = dynamic_rows or backend == "tensorrt"
     impl = _backend(backend)
     image_sizes = [list(s) for s in image_sizes]
     if image_sizes and backend == "aoti":
@@ -108,7 +115,8 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     out = Path(out)
     config = {"backend": backend, "budgets": list(budgets), "tree_budgets": list(tree_budgets),
               "lookup_budget": lookup_budget or None, "chain": chain, "max_len": max_len, "chunk": chunk,
-              "flavor": flavor, "image_sizes": image_sizes, "numerics": numerics, "max_batch": max_batch}
+              "flavor": flavor, "image_sizes": image_sizes, "numerics": numerics, "max_batch": max_batch,
+              "dynamic_rows": dynamic_rows}
     if (out / "manifest.json").exists():
         raise GlanceError(f"{out} already holds an engine: pick another --out, or delete it to rebuild")
     exact = ExactNumerics(static=True) if numerics == "exact" else None
@@ -128,12 +136,12 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     out.mkdir(parents=True, exist_ok=True)
     if not started.exists():
         keep = ("backend", "budgets", "lookup_budget", "chain", "max_len", "chunk", "flavor", "image_sizes", "source",
-                "versions", "numerics", "max_batch")
+                "versions", "numerics", "max_batch", "dynamic_rows")
         (out / "build.json.tmp").write_text(json.dumps({k: manifest[k] for k in keep}, indent=2))
         (out / "build.json.tmp").replace(started)
     if backend == "onnxruntime":
         impl.build(graphs, out, budgets, chain, chunk, manifest, progress, flavor=flavor, ort_include=ort_include,
-                   image_sizes=image_sizes, target=target, mapped_weights=mapped_weights)
+                   image_sizes=image_sizes, target=target, mapped_weights=mapped_weights, dynamic_rows=dynamic_rows)
     elif backend == "tensorrt":
         impl.build(graphs, out, budgets, chain, chunk, manifest, progress, flavor=flavor, image_sizes=image_sizes,
                    target=target)

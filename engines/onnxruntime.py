@@ -21,7 +21,7 @@ import torch
 from glance_rt.engines import ort_plugin
 from glance_rt.engines.ort_plugin import library_for
 from glance_rt.errors import require
-from glance_rt.export.onnx import export_onnx, exported_runners, written_rows
+from glance_rt.export.onnx import concrete, export_onnx, exported_runners, written_rows
 from glance_rt.export.vision import VisionGraphs, export_vision
 from glance_rt.export.weights import mapped_initializers, share_weights
 
@@ -88,11 +88,13 @@ def _empty(shape, dtype) -> torch.Tensor:
 class BoundGraph:
     """One graph's session with its I/O bound once through IOBinding: the caches it reads are the
     model's cache buffers, its outputs are preallocated tensors; per call only the small inputs are
-    rebound. The rows it wrote come back as outputs and are copied into the caches.
+    rebound. The rows it wrote come back as outputs and are copied into the caches. `rows`: the row count
+    it runs a dynamic-rows graph at (its outputs' shapes; one BoundGraph per count, one session for all).
 
     Outputs are reused by the next call of the same graph (as with a CUDA-graph replay)."""
 
-    def __init__(self, sess, info: dict, name: str, graphs, bufs: list, weights: dict | None = None):
+    def __init__(self, sess, info: dict, name: str, graphs, bufs: list, weights: dict | None = None,
+                 rows: int | None = None):
         self.sess, self.name, self.graphs, self.bufs = sess, name, graphs, bufs
         self.weights = weights  # the memory map its session reads (mapped weights): alive as long as it is
         self.written_rows = written_rows
@@ -100,7 +102,7 @@ class BoundGraph:
         self.binding = sess.io_binding()
         for (n, _, _), b in zip(info["inputs"][len(self.in_names) :], bufs, strict=True):
             _bind(self.binding, n, b)
-        self.outs = [_empty(shape, DTYPES[dt]) for _, shape, dt in info["outputs"]]  # [*shape]
+        self.outs = [_empty(concrete(shape, rows), DTYPES[dt]) for _, shape, dt in info["outputs"]]  # [*shape]
         for (n, _, _), t in zip(info["outputs"], self.outs, strict=True):
             _bind(self.binding, n, t, output=True)
         self.n_out = len(self.outs) - len(bufs)
@@ -118,11 +120,16 @@ class BoundGraph:
 
 
 def runners(path: Path, manifest: dict, graphs) -> dict:
-    """The callables StaticPasses runs, one ONNX Runtime session per graph (mapped weights: all over one
-    memory map of the engine's data file)."""
-    mapped = _weights(manifest)
-    return exported_runners(manifest, graphs, lambda info, name, bufs: BoundGraph(
-        _session(path, info, manifest["flavor"], mapped), info, name, graphs, bufs, mapped))
+    """The callables StaticPasses runs, one ONNX Runtime session per graph (a dynamic-rows verify graph:
+    one session bound once per bucket; mapped weights: all over one memory map of the engine's data file)."""
+    mapped, sessions = _weights(manifest), {}
+
+    def make(info, name, bufs, rows):
+        if info["file"] not in sessions:
+            sessions[info["file"]] = _session(path, info, manifest["flavor"], mapped)
+        return BoundGraph(sessions[info["file"]], info, name, graphs, bufs, mapped, rows)
+
+    return exported_runners(manifest, graphs, make)
 
 
 def vision(path: Path, manifest: dict, target):
@@ -148,12 +155,13 @@ def _optimize(out: Path, key: str, info: dict, flavor: str) -> None:
 
 def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, progress: bool = True,
           flavor: str = "portable", ort_include=None, image_sizes=(), target=None,
-          mapped_weights: bool = False) -> None:
+          mapped_weights: bool = False, dynamic_rows: bool = False) -> None:
     """Export the graphs (and a VLM's vision graphs, one per image size), then save each as ONNX
     Runtime's optimized graph. The plugin flavor first compiles the TreeAttention kernel library
     into the folder (`ort_include`: its C API headers). `mapped_weights`: a load's decode sessions read
     one memory map of the weights (manifest `weights`: "mapped"; else "prepacked", each session its own
-    copy; vision sessions prepack theirs either way)."""
+    copy; vision sessions prepack theirs either way). `dynamic_rows`: one verify graph (one session) for
+    every tree bucket (`glance_rt.export.onnx.dynamic_verify`), recorded in the manifest."""
     from importlib import metadata
 
 
@@ -162,7 +170,7 @@ def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, p
         ort_plugin.build_library(out, ort_include)
         manifest["plugin_library"] = {"file": ort_plugin.LIBRARY, "source_sha256": ort_plugin.source_hash()}
     opset = manifest.setdefault("opset", 20)
-    exported = export_onnx(graphs, out, budgets, chain, chunk, flavor, opset, progress)
+    exported = export_onnx(graphs, out, budgets, chain, chunk, flavor, opset, progress, dynamic_rows)
     for key, info in exported.items():
         _optimize(out, key, info, flavor)
     optimized = [info["file"] for info in exported.values()]
@@ -174,7 +182,8 @@ def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, p
         optimized += [info["file"] for info in manifest["vision"].values()]
     share_weights(out, optimized)  # ONNX Runtime's optimized graphs too: each weight once
     libs = {"onnxruntime": metadata.version("onnxruntime"), "onnx": metadata.version("onnx")}
-    manifest.update(flavor=flavor, graphs=exported, versions={**manifest["versions"], **libs},
+    manifest.update(flavor=flavor, graphs=exported, dynamic_rows=dynamic_rows,
+                    versions={**manifest["versions"], **libs},
                     session_options={"graph_optimization_level": "ORT_ENABLE_ALL",
                                      "providers": ["CPUExecutionProvider"], "session.intra_op.allow_spinning": "0",
                                      "intra_op_num_threads": "torch.get_num_threads() at load",

@@ -14,6 +14,11 @@ Flavors:
 KV caches are explicit: each graph takes every cache it reads as inputs (`past_k_i`, `past_v_i`,
 [1, KVH, L, D], L = max_len) and returns only the rows it wrote (`new_k_i`, `new_v_i`); the runtime
 writes those rows into its own caches, so a cache is never copied through the graph boundary.
+
+Verify graphs: one per tree bucket (`verify-{T}`), or with `dynamic_rows` ONE `verify` graph whose row
+dimension is symbolic (`rows`): it serves every bucket of two rows or more (its manifest entry lists
+them; a TensorRT build makes it one engine with an optimization profile per bucket). The one-row AR
+step keeps its own graph: exporters specialise a dimension of size 1.
 """
 
 from pathlib import Path
@@ -34,9 +39,10 @@ from glance_rt.export.manifest import (
 )
 from glance_rt.export.vision import export_vision
 from glance_rt.export.weights import share_weights
-from glance_rt.round.verify import example_inputs, static_graphs, static_shapes
+from glance_rt.round.verify import MIN_PREFILL_ROWS, example_inputs, static_graphs, static_shapes
 
 FLAVORS = ("portable", "plugin")
+ROWS = "rows"  # the symbolic row dimension of a verify graph exported for any tree size
 DOMAIN, VERSION = "glance", 1
 _SCHEMA = []
 
@@ -113,9 +119,9 @@ def graph_caches(graphs, name: str) -> list:
 class _Graph(nn.Module):
     """One static graph with its caches as explicit inputs and its written rows as outputs."""
 
-    def __init__(self, graphs, name: str, n_inputs: int):
+    def __init__(self, graphs, name: str, n_inputs: int, any_rows: bool = False):
         super().__init__()
-        self.graphs, self.name, self.n_inputs = graphs, name, n_inputs
+        self.graphs, self.name, self.n_inputs, self.any_rows = graphs, name, n_inputs, any_rows
 
     def written(self, args) -> torch.Tensor:
         """The cache rows the graph's `new_*` outputs hold. The draft pass writes its context rows
@@ -144,7 +150,8 @@ class _Graph(nn.Module):
                 setattr(cache, f"k{layer}", kv[i])
                 setattr(cache, f"v{layer}", kv[i + 1])
                 i += 2
-        out = getattr(self.graphs, self.name)(*args)
+        fn = getattr(self.graphs, self.name)
+        out = fn(*args, any_rows=True) if self.any_rows else fn(*args)
         out = out if isinstance(out, tuple) else (out,)
         rows = self.written(args)
         return (*out, *(t.index_select(2, rows) for t in kv))
@@ -167,17 +174,28 @@ def _names(graphs, name: str, args) -> tuple[list[str], list[str]]:
     return ins + kv_in, outs + kv_out
 
 
+def concrete(shape: list, rows: int | None) -> list[int]:
+    """A manifest shape with its symbolic row dimension (a dynamic-rows verify graph's) set to `rows`."""
+    return [rows if isinstance(d, str) else d for d in shape]
+
+
 def exported_runners(manifest: dict, graphs, make) -> dict:
-    """The callables StaticPasses runs for an engine of exported graphs: `make(info, name, bufs)` ->
-    one graph's runner (`bufs`: the cache buffers it reads, in its input order); the graphs built per
-    row count (verify: one per tree-budget bucket; an EAGLE-3 head's depth passes: one per beam
-    width) picked by their row count."""
+    """The callables StaticPasses runs for an engine of exported graphs: `make(info, name, bufs, rows)`
+    -> one graph's runner (`bufs`: the cache buffers it reads, in its input order; `rows`: the row count
+    it runs a dynamic-rows graph at, else None); the graphs built per row count (verify: one per
+    tree-budget bucket, or one dynamic-rows graph run at each; an EAGLE-3 head's depth passes: one per
+    beam width) picked by their row count."""
     from glance_rt.round.verify import by_rows
 
     fns, buckets = {}, {"verify": {}, "eagle3_depth": {}}
     for key, info in manifest["graphs"].items():
         name = key.split("-")[0]
-        run = make(info, name, [b for cache in graph_caches(graphs, name) for b in cache.buffers()])
+        bufs = [b for cache in graph_caches(graphs, name) for b in cache.buffers()]
+        if "rows" in info:  # one graph, any row count: a runner per bucket it serves
+            for t in info["rows"]:
+                buckets[name][t] = make(info, name, bufs, t)
+            continue
+        run = make(info, name, bufs, None)
         if name in buckets:
             buckets[name][int(key.split("-")[1])] = run
         else:
@@ -193,11 +211,47 @@ def written_rows(graphs, name: str, args) -> torch.Tensor:
     return _Graph(graphs, name, 0).written(args)
 
 
+def dynamic_verify(jobs: dict) -> tuple[dict, list[int]]:
+    """`jobs` with its verify buckets of MIN_PREFILL_ROWS rows or more replaced by one `verify` job (the
+    largest's example inputs), and the row counts it serves ([] where fewer than two such buckets)."""
+    rows = sorted(int(k.split("-")[1]) for k in jobs if k.startswith("verify-"))
+    rows = [t for t in rows if t >= MIN_PREFILL_ROWS]
+    if len(rows) < 2:
+        return jobs, []
+    merged = {}
+    for key, args in jobs.items():
+        if key == f"verify-{rows[-1]}":
+            merged["verify"] = args
+        elif not (key.startswith("verify-") and int(key.split("-")[1]) in rows):
+            merged[key] = args
+    return merged, rows
+
+
+def _row_dims(args, n_kv: int, most: int) -> tuple:
+    """torch.export's dynamic_shapes for a verify graph's inputs: tokens [T], positions [.., T], start,
+    tree_mask [T, T], parent [T] (T symbolic), then the caches."""
+    from torch.export import Dim
+
+    t = Dim(ROWS, min=MIN_PREFILL_ROWS, max=most)
+    return (({0: t}, {args[1].dim() - 1: t}, None, {0: t, 1: t}, {0: t}, *[None] * n_kv),)
+
+
+def _dims(value_info) -> list:
+    return [d.dim_value if d.HasField("dim_value") else d.dim_param for d in value_info.type.tensor_type.shape.dim]
+
+
+def _dtype(value_info) -> str:
+    from onnx import TensorProto
+
+    return TensorProto.DataType.Name(value_info.type.tensor_type.elem_type).lower()
+
+
 def export_onnx(graphs, out, budgets, chain: bool, chunk: int, flavor: str = "portable", opset: int = 20,
-                progress: bool = True) -> dict:
+                progress: bool = True, dynamic_rows: bool = False) -> dict:
     """Export every graph of `graphs` (StaticGraphs of a target + drafter) into `out` (resumable:
     finished graphs are kept; each is written to a temporary name, checked, then renamed); then their
-    weights are moved into one shared data file (`glance_rt.export.weights`)."""
+    weights are moved into one shared data file (`glance_rt.export.weights`). `dynamic_rows`: the tree
+    buckets' verify graphs as one graph with a symbolic row dimension (`dynamic_verify`)."""
     require("onnx", "onnx", "onnxscript")
     import onnx
     from tqdm import tqdm
@@ -208,6 +262,7 @@ def export_onnx(graphs, out, budgets, chain: bool, chunk: int, flavor: str = "po
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     jobs = example_inputs(graphs, static_shapes(graphs, chunk), budgets, chain)
+    jobs, rows = dynamic_verify(jobs) if dynamic_rows else (jobs, [])
     table, info = _translation(), {}
     bar = tqdm(jobs.items(), desc="onnx graphs", unit="graph", disable=not progress)
     for key, args in bar:
@@ -223,10 +278,12 @@ def export_onnx(graphs, out, budgets, chain: bool, chunk: int, flavor: str = "po
                 for n in bufs:
                     delattr(c, n)
             try:
+                dims = _row_dims(args, len(kv), rows[-1]) if key == "verify" else None
                 with torch.no_grad():
-                    prog = torch.onnx.export(_Graph(graphs, name, len(args)), (*args, *kv), dynamo=True,
-                                             custom_translation_table=table, input_names=ins, output_names=outs,
-                                             opset_version=opset, optimize=True, verbose=False)
+                    prog = torch.onnx.export(_Graph(graphs, name, len(args), key == "verify"), (*args, *kv),
+                                             dynamo=True, dynamic_shapes=dims, custom_translation_table=table,
+                                             input_names=ins, output_names=outs, opset_version=opset, optimize=True,
+                                             verbose=False)
             finally:
                 for c, bufs in saved:
                     for n, b in bufs.items():
@@ -241,14 +298,14 @@ def export_onnx(graphs, out, budgets, chain: bool, chunk: int, flavor: str = "po
             onnx.save(model, str(tmp), save_as_external_data=True, location=f"{key}.onnx.data")
             tmp.replace(file)
         model = onnx.load(str(file), load_external_data=False)
-        shapes = [[list(a.shape), str(a.dtype).removeprefix("torch.")] for a in (*args, *kv)]
+        declared = {i.name: _dims(i) for i in model.graph.input}  # a dynamic-rows graph's: `rows` where T is
+        shapes = [[declared.get(n, list(a.shape)), str(a.dtype).removeprefix("torch.")]
+                  for n, a in zip(ins, (*args, *kv), strict=True)]
         info[key] = {"file": file.name, "inputs": [[n, *s] for n, s in zip(ins, shapes, strict=True)],
-                     "outputs": [[o.name, [d.dim_value if d.HasField("dim_value") else d.dim_param
-                                            for d in o.type.tensor_type.shape.dim],
-                                  onnx.TensorProto.DataType.Name(o.type.tensor_type.elem_type).lower()]
-                                 for o in model.graph.output],
+                     "outputs": [[o.name, _dims(o), _dtype(o)] for o in model.graph.output],
                      "tree_attention_nodes": sum(n.op_type == "TreeAttention" and n.domain == DOMAIN
-                                                 for n in model.graph.node)}
+                                                 for n in model.graph.node),
+                     **({"rows": rows} if key == "verify" else {})}
     share_weights(out, [i["file"] for i in info.values()])  # one copy of the weights for every graph
     (out / "GRAPHS.md").write_text("# ONNX graphs\n\n" + describe_graphs(info))
     return info
@@ -258,10 +315,11 @@ def export_onnx(graphs, out, budgets, chain: bool, chunk: int, flavor: str = "po
 
 def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20, budgets=(8,), chain: bool = False,
                  max_len: int = 1024, chunk: int = 64, target_source=None, drafter_source=None,
-                 progress: bool = True, image_sizes=(), lookup_budget: int = 0) -> Path:
+                 progress: bool = True, image_sizes=(), lookup_budget: int = 0, dynamic_rows: bool = False) -> Path:
     """`glance-rt export`: ONNX graphs of `target` (+ `drafter`) and their manifest, in `out`;
     `image_sizes`: (W, H) image buckets to export a VLM's vision graphs for; `lookup_budget` > 0:
-    the verify graph of lookup rounds of that many rows too (`lookup_buckets`)."""
+    the verify graph of lookup rounds of that many rows too (`lookup_buckets`); `dynamic_rows`: one
+    verify graph for the tree buckets (`dynamic_verify`)."""
     tree_budgets = graph_budgets(drafter, budgets, max_len, chunk)
     budgets = lookup_buckets(drafter, chain, tree_budgets, lookup_budget)
     out = Path(out)
@@ -269,7 +327,8 @@ def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20
         raise GlanceError(f"{out} already holds an export: pick another --out, or delete it to export again")
     if out.exists() and any(p.suffix not in (".onnx", ".data") for p in out.iterdir()):
         raise GlanceError(f"{out} is not empty and holds no unfinished export: pick an empty or new --out folder")
-    graphs = export_onnx(static_graphs(target, drafter, max_len), out, budgets, chain, chunk, flavor, opset, progress)
+    graphs = export_onnx(static_graphs(target, drafter, max_len), out, budgets, chain, chunk, flavor, opset, progress,
+                         dynamic_rows)
     vision = {}
     if image_sizes:
         vision = export_vision(target, out, image_sizes, opset, progress)
@@ -280,7 +339,7 @@ def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20
     manifest = {"format": FORMAT, "backend": "onnx", "flavor": flavor, "opset": opset, "budgets": list(budgets),
                 "eagle3": eagle3_shape(drafter),
                 "tree_budgets": list(tree_budgets), "lookup_budget": lookup_budget or None, "chain": chain,
-                "max_len": max_len, "chunk": chunk,
+                "max_len": max_len, "chunk": chunk, "dynamic_rows": dynamic_rows,
                 "block_size": drafter.block_size if drafter is not None else 1,
                 "tree_attention": {"domain": DOMAIN, "op_type": "TreeAttention", "version": VERSION},
                 "source": source(target, drafter), "versions": {**versions(), "onnx": onnx.__version__,

@@ -123,6 +123,10 @@ def _image_size(ctx, param, values):
 IMAGE_SIZES = click.option("--image-size", "image_sizes", multiple=True, callback=_image_size,
                            help="VLM targets: export a vision graph for images of WxH pixels (repeatable; one "
                                 "static image bucket each). Without it the vision tower runs in torch.")
+DYNAMIC_ROWS = click.option("--dynamic-rows", is_flag=True,
+                            help="One verify graph with a symbolic row dimension for every tree budget bucket (one "
+                                 "ONNX Runtime session for all; TensorRT engines always build it, one optimization "
+                                 "profile per bucket) instead of a graph per bucket.")
 SUITE_IMAGES = click.option("--images", type=click.Path(), default=None,
                             help="Folder the suite's image paths are relative to.")
 
@@ -618,9 +622,11 @@ def _engine_decoder(method: Method, target_path, drafter_path, max_batch: int | 
 @click.option("--mapped-weights", is_flag=True,
               help="onnxruntime: every session reads one memory map of the engine's weights file (one copy in "
                    "memory, shared with the page cache) instead of each prepacking its own copy (faster GEMMs).")
+@DYNAMIC_ROWS
 @click.option("--out", required=True, type=click.Path(), help="Engine folder (resumes an interrupted build).")
 def build_engine(target_path, drafter_path, backend, budgets, chain, max_length, chunk, no_drafter, flavor,
-                 lookup_budget, image_sizes, ort_include, dtype, device, exact, max_batch, mapped_weights, out):
+                 lookup_budget, image_sizes, ort_include, dtype, device, exact, max_batch, mapped_weights,
+                 dynamic_rows, out):
     """Compile the draft, verify and prefill passes of a target (+ drafter) into an engine folder."""
     from glance_rt.engines.engine import build_engine as build
 
@@ -632,7 +638,8 @@ def build_engine(target_path, drafter_path, backend, budgets, chain, max_length,
         build(target, drafter, out, backend=backend, budgets=budgets, chain=chain, max_len=max_length, chunk=chunk,
               target_source=target_path, drafter_source=drafter_path, flavor=flavor, ort_include=ort_include,
               image_sizes=image_sizes, lookup_budget=_lookup_bucket(lookup_budget, drafter, chain),
-              numerics="exact" if exact else "fast", max_batch=max_batch, mapped_weights=mapped_weights)
+              numerics="exact" if exact else "fast", max_batch=max_batch, mapped_weights=mapped_weights,
+              dynamic_rows=dynamic_rows)
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"engine: {out} ({backend}, {time.perf_counter() - start:.0f} s)")
@@ -655,8 +662,9 @@ def build_engine(target_path, drafter_path, backend, budgets, chain, max_length,
 @LOOKUP_BUCKET
 @IMAGE_SIZES
 @DTYPE
+@DYNAMIC_ROWS
 def export(target_path, drafter_path, out, budgets, chain, max_length, chunk, opset, flavor, no_drafter, lookup_budget,
-           image_sizes, dtype):
+           image_sizes, dtype, dynamic_rows):
     """Export the target's prefill and tree-verify graphs and the drafter's graphs to ONNX."""
     from glance_rt.export.onnx import export_model
 
@@ -667,7 +675,8 @@ def export(target_path, drafter_path, out, budgets, chain, max_length, chunk, op
         start = time.perf_counter()
         export_model(target, drafter, out, flavor=flavor, opset=opset, budgets=budgets, chain=chain,
                      max_len=max_length, chunk=chunk, target_source=target_path, drafter_source=drafter_path,
-                     image_sizes=image_sizes, lookup_budget=_lookup_bucket(lookup_budget, drafter, chain))
+                     image_sizes=image_sizes, lookup_budget=_lookup_bucket(lookup_budget, drafter, chain),
+                     dynamic_rows=dynamic_rows)
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"onnx: {out} ({flavor}, opset {opset}, {time.perf_counter() - start:.0f} s); graphs in {out}/GRAPHS.md")

@@ -170,3 +170,60 @@ def test_an_onnxruntime_engine_with_mapped_weights_reads_one_memory_map(tmp_path
     with pytest.raises(glance_rt.GlanceError, match="--mapped-weights is for onnxruntime"):
         build_engine(target, drafter, tmp_path / "aoti", backend="aoti", budgets=(4,), max_len=96, chunk=8,
                      progress=False, mapped_weights=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_one_verify_graph_with_dynamic_rows_serves_every_tree_bucket(arch, tmp_path):
+    """`--dynamic-rows`: the tree buckets' verify graphs are ONE graph whose row dimension is symbolic
+    (the one-row AR step keeps its own); run at each bucket's rows it gives the torch verify pass's outputs
+    (its path is R long: the static graph's, then -1s); an ONNX Runtime engine of it opens one session for
+    every bucket and its tokens == HF greedy at each tree budget; aoti refuses the flag."""
+    import onnxruntime as ort
+
+    from glance_rt.engines.engine import build_engine
+    from glance_rt.export.onnx import ROWS
+
+    target, model, processor = tiny_target(arch)
+    drafter = drafter_for(target, arch)
+    out = export_model(target, drafter, tmp_path / "x", budgets=(0, 4, 8), max_len=96, chunk=8, progress=False,
+                       dynamic_rows=True)
+    m = json.loads((out / "manifest.json").read_text())
+    assert sorted(m["graphs"]) == ["context", "draft", "prefill", "verify", "verify-1"] and m["dynamic_rows"]
+    info = m["graphs"]["verify"]
+    assert info["rows"] == [5, 9] and info["inputs"][0][1] == [ROWS] and info["inputs"][3][1] == [ROWS, ROWS]
+    graphs = static_graphs(target, drafter, 96)
+    gen = torch.Generator().manual_seed(0)
+    bufs = list(graphs.verifier.cache.buffers())
+    for b in bufs:
+        b.copy_(torch.randn(b.shape, generator=gen))
+    sess = ort.InferenceSession(str(out / info["file"]), providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    examples = example_inputs(graphs, static_shapes(graphs, 8), (4, 8), False)
+    for t in info["rows"]:
+        tokens, positions, _, _, _ = examples[f"verify-{t}"]
+        tokens = torch.randint(0, target.vocab_size, (t,), generator=gen)
+        parent = torch.tensor([-1] + [int(torch.randint(0, i, (), generator=gen)) for i in range(1, t)])
+        mask = torch.eye(t, dtype=torch.bool)
+        for i in range(1, t):  # each row sees its ancestors
+            mask[i] |= mask[int(parent[i])]
+        tokens[1:] = torch.where(torch.rand(t - 1, generator=gen) < 0.5, tokens[1:], tokens[parent[1:]])
+        args = (tokens, positions + 20, torch.tensor(20), mask, parent)
+        got = sess.run(None, {n: a.numpy() for n, a in zip(names, [*args, *bufs], strict=True)})
+        with torch.no_grad():
+            want = graphs.verify(*args)
+        np.testing.assert_allclose(got[0], want[0].numpy(), rtol=1e-4, atol=1e-3, err_msg=f"{arch} T={t}")
+        assert (got[2] == want[2].numpy()).all()
+        r = graphs.ctx_rows
+        assert got[3].shape == (r,) and list(got[3]) == [*want[3].tolist(), *[-1] * (r - len(want[3]))]
+    inputs = make_inputs(arch, processor, n_images=1 if arch in VLM_ARCHS else 0)
+    engine = build_engine(target, drafter, tmp_path / "ort", backend="onnxruntime", budgets=(0, 4, 8), max_len=96,
+                          chunk=8, progress=False, dynamic_rows=True)
+    for budget in (4, 8):
+        dec = glance_rt.Decoder.from_engine(engine, target, drafter, tree_budget=budget, gate=False)
+        assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(model, inputs, NEW), budget
+    verify = dec.passes.fns["verify"]
+    assert sorted(verify.buckets) == [1, 5, 9]
+    assert verify.buckets[5].sess is verify.buckets[9].sess is not verify.buckets[1].sess  # 5 and 9: one session
+    with pytest.raises(glance_rt.GlanceError, match="--dynamic-rows is for onnxruntime"):
+        build_engine(target, drafter, tmp_path / "aoti", backend="aoti", budgets=(4,), max_len=96, chunk=8,
+                     progress=False, dynamic_rows=True)

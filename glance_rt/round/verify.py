@@ -113,7 +113,8 @@ class StaticGraphs(nn.Module):
 
     prefill(embeds [1, C, H], positions, start [], last [1]) -> logits [1, V], features [C, F]
     verify(tokens [T], positions, start [], mask [T, T], parent [T]) -> logits [T, V], features [T, F],
-        greedy [T] (the target's argmax per row), path [min(T, R)] (accepted rows, then -1; on the device)
+        greedy [T] (the target's argmax per row), path [min(T, R)] (accepted rows, then -1; on the device;
+        [R] when traced for any T)
     draft(ctx [R, F], ctx_start [], bonus [], block_start []) -> draft logits [B-1, V]
     context(ctx [C, F], ctx_start []) -> nothing (writes the drafter's context cache)
     round(ctx, ctx_start, bonus, block_start, rope_delta [], lookup_chain [N], lookup_len [], chain) -> report
@@ -133,10 +134,13 @@ class StaticGraphs(nn.Module):
         causal = torch.ones(c, c, dtype=torch.bool, device=embeds.device).tril()
         return self.verifier(embeds, positions, start, causal, self.max_len, last, prefill=True)
 
-    def verify(self, tokens: Tensor, positions: Tensor, start: Tensor, mask: Tensor, parent: Tensor):
+    def verify(self, tokens: Tensor, positions: Tensor, start: Tensor, mask: Tensor, parent: Tensor,
+               any_rows: bool = False):
+        """`any_rows`: the graph is traced for any row count (an export's dynamic row dimension): its path
+        is R long whatever T (a tree of T < R rows ends its path with -1s), not min(T, R)."""
         logits, feats = self.verifier(self.verifier.embed_tokens(tokens)[None], positions, start, mask, self.max_len)
         greedy = logits.argmax(-1)  # [T]
-        depth = min(tokens.shape[0], self.ctx_rows) - 1  # a tree of T rows is at most T-1 deep
+        depth = self.ctx_rows - 1 if any_rows else min(tokens.shape[0], self.ctx_rows) - 1  # T rows: <= T-1 deep
         return logits, feats, greedy, accept_path(parent, tokens, greedy, depth)
 
     def draft(self, ctx: Tensor, ctx_start: Tensor, bonus: Tensor, block_start: Tensor) -> Tensor:
@@ -608,6 +612,7 @@ def by_rows(graphs: dict, kind: str = "verify"):
                               "use one of its tree budgets or rebuild with --tree-budget")
         return graph(tokens, *rest)
 
+    run.buckets = graphs  # rows -> graph, for a reader (tests: which sessions an engine's buckets share)
     return run
 
 
