@@ -2,13 +2,18 @@
 with every `glance.TreeAttention` node run by glance-rt's TensorRT plugin (`plugins/tensorrt_plugin.py`:
 the Triton kernel compiled ahead of time and baked into the engine as PTX).
 
-Build: export the graphs (`export_onnx`, plugin flavor; a VLM's vision graphs per image bucket), tag a
-copy of each for TensorRT (`tensorrt_onnx`), parse it with TensorRT's ONNX parser into a strongly typed
-network with TF32 off (fp32 must stay IEEE fp32 for outputs equal to Hugging Face's), serialize to
-`<graph>.engine` (written, then renamed: an interrupted build resumes).
+Build: export the graphs (`export_onnx`, plugin flavor, the tree buckets' verify graphs as one graph
+with a symbolic row dimension; a VLM's vision graphs per image bucket), tag a copy of each for
+TensorRT (`tensorrt_onnx`), parse it with TensorRT's ONNX parser into a strongly typed network with
+TF32 off (fp32 must stay IEEE fp32 for outputs equal to Hugging Face's), serialize to `<graph>.engine`
+(written, then renamed: an interrupted build resumes). The verify graph becomes ONE engine with an
+optimization profile per tree bucket (`row_profiles`: min = opt = max = that bucket's shapes, so each
+bucket gets the kernels tuned for its shape, as engines per bucket did, over one copy of the weights);
+the plugin's launch grid follows the row dimension symbolically.
 
-Run: each engine gets one execution context whose tensor addresses are bound once: the caches it reads
-are the running model's CUDA cache buffers, its other inputs and its outputs are static CUDA tensors.
+Run: each engine (deserialized once) gets one execution context per graph it serves (a verify
+engine: one per profile, its input shapes set once), whose tensor addresses are bound once: the caches
+it reads are the running model's CUDA cache buffers, its other inputs and its outputs are static CUDA tensors.
 A call copies its arguments into the static inputs, runs the context, and writes the rows the graph
 returned back into the caches; after one warm-up run (TensorRT's deferred work, the driver's PTX JIT)
 all of that is captured in one CUDA graph per context and replayed from then on.
@@ -23,7 +28,7 @@ from pathlib import Path
 import torch
 
 from glance_rt.errors import GlanceError, require
-from glance_rt.export.onnx import DOMAIN, export_onnx, exported_runners, written_rows
+from glance_rt.export.onnx import DOMAIN, concrete, export_onnx, exported_runners, written_rows
 from glance_rt.export.vision import VisionGraphs, export_vision
 from glance_rt.files import atomic_write
 from glance_rt.plugins import TENSORRT_PLUGIN
@@ -72,8 +77,17 @@ def _logger(trt):
     return trt.Logger(trt.Logger.WARNING)
 
 
-def build_engine_file(onnx_path: Path, engine_path: Path) -> None:
-    """Parse one tagged ONNX graph and serialize its engine to `engine_path` (temporary name, then rename)."""
+def row_profiles(info: dict) -> list[dict[str, list[int]]]:
+    """The optimization profiles of a graph exported with a symbolic row dimension (manifest `rows`: the
+    buckets it serves), in that order: each pins every input with that dimension to one bucket's shape
+    (min = opt = max). [] for a graph of fixed shapes."""
+    dynamic = [(name, shape) for name, shape, _ in info["inputs"] if any(isinstance(d, str) for d in shape)]
+    return [{name: concrete(shape, t) for name, shape in dynamic} for t in info.get("rows", [])]
+
+
+def build_engine_file(onnx_path: Path, engine_path: Path, profiles=()) -> None:
+    """Parse one tagged ONNX graph and serialize its engine to `engine_path` (temporary name, then rename);
+    `profiles` (`row_profiles`): one optimization profile each, in order."""
     trt = _tensorrt()
     logger = _logger(trt)
     builder = trt.Builder(logger)
@@ -89,6 +103,11 @@ def build_engine_file(onnx_path: Path, engine_path: Path) -> None:
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, WORKSPACE)
     config.clear_flag(trt.BuilderFlag.TF32)  # on by default: fp32 GEMMs would round their inputs to 10 bits
+    for shapes in profiles:
+        profile = builder.create_optimization_profile()
+        for name, shape in shapes.items():
+            profile.set_shape(name, shape, shape, shape)  # min, opt, max
+        config.add_optimization_profile(profile)
     plan = builder.build_serialized_network(network, config)
     if plan is None:
         raise GlanceError(f"TensorRT could not build an engine for {onnx_path.name} (its log above says why)")
@@ -108,7 +127,7 @@ def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, p
         raise GlanceError("TensorRT engines bind the running model's CUDA caches: load the target on a GPU "
                           "(glance-rt build-engine --device cuda)")
     opset = manifest.setdefault("opset", 20)
-    exported = export_onnx(graphs, out, budgets, chain, chunk, "plugin", opset, progress)
+    exported = export_onnx(graphs, out, budgets, chain, chunk, "plugin", opset, progress, dynamic_rows=True)
     vision = export_vision(target, out, image_sizes, opset, progress) if image_sizes else {}
     jobs = {**exported, **vision}
     bar = tqdm(jobs.items(), desc="tensorrt engines", unit="engine", disable=not progress)
@@ -119,30 +138,56 @@ def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, p
             tagged = out / f"{key}.trt.onnx"  # shares {key}.onnx.data: external data stays where it was written
             model = tensorrt_onnx(onnx.load(str(out / info["file"]), load_external_data=False))
             atomic_write(tagged, lambda tmp, m=model: tmp.write_bytes(m.SerializeToString()))
-            build_engine_file(tagged, engine)
+            build_engine_file(tagged, engine, row_profiles(info))
         info["engine"] = engine.name
+        if "rows" in info:
+            info["profiles"] = row_profiles(info)
     manifest.update(flavor=flavor, graphs=exported, vision=vision,
                     versions={**manifest["versions"], "tensorrt": trt.__version__,
                               "triton": metadata.version("triton")},
                     builder={"tf32": False, "strongly_typed": True, "plugin": f"{TENSORRT_PLUGIN} (AOT, Triton)"})
 
 
-class EngineGraph:
-    """One engine with its tensors bound once. `bufs`: the caches it reads (bound in place); after a
-    call, `write_back(inputs, outputs)` writes the rows it returned into them. The first call runs
-    the context once (warm-up), the second captures the copy-in, run and write-back in a CUDA graph,
-    every later call replays it. Outputs are reused by the next call (as any CUDA-graph replay)."""
+class EngineFiles:
+    """An engine folder's engines, each deserialized once (a verify engine serves one EngineGraph per
+    optimization profile), and the TensorRT runtime that made them, alive as long as they are."""
 
-    def __init__(self, path: Path, info: dict, bufs: list, write_back=None):
+    def __init__(self, path: Path):
         trt = _tensorrt()
+        self.path, self.runtime, self.loaded = path, trt.Runtime(_logger(trt)), {}
+
+    def __call__(self, info: dict):
+        name = info["engine"]
+        if name not in self.loaded:
+            engine = self.runtime.deserialize_cuda_engine((self.path / name).read_bytes())
+            if engine is None:
+                raise GlanceError(f"TensorRT could not load {self.path / name}: rebuild it with this TensorRT version")
+            self.loaded[name] = engine
+        return self.loaded[name]
+
+
+class EngineGraph:
+    """One engine's execution context with its tensors bound once. `bufs`: the caches it reads (bound
+    in place); after a call, `write_back(inputs, outputs)` writes the rows it returned into them. `rows`:
+    the bucket it runs an engine with a profile per bucket at (its profile and input shapes set once).
+    The first call runs the context once (warm-up), the second captures the copy-in, run and write-back
+    in a CUDA graph, every later call replays it. Outputs are reused by the next call (as any CUDA-graph
+    replay)."""
+
+    def __init__(self, engines: EngineFiles, info: dict, bufs: list, write_back=None, rows: int | None = None):
         dev = bufs[0].device if bufs else torch.device("cuda")
-        self.engine = trt.Runtime(_logger(trt)).deserialize_cuda_engine((path / info["engine"]).read_bytes())
-        if self.engine is None:
-            raise GlanceError(f"TensorRT could not load {path / info['engine']}: rebuild it with this TensorRT version")
-        self.context = self.engine.create_execution_context()
+        self.engines = engines  # keeps the runtime and the engine alive
+        self.context = engines(info).create_execution_context()
+        if rows is not None:
+            self.context.set_optimization_profile_async(info["rows"].index(rows),
+                                                        torch.cuda.current_stream().cuda_stream)
+            for name, shape in row_profiles(info)[info["rows"].index(rows)].items():
+                self.context.set_input_shape(name, shape)
         n_args = len(info["inputs"]) - len(bufs)
-        self.inputs = [torch.empty(shape, dtype=DTYPES[dt], device=dev) for _, shape, dt in info["inputs"][:n_args]]
-        self.outs = [torch.empty(shape, dtype=DTYPES[dt], device=dev) for _, shape, dt in info["outputs"]]
+        self.inputs = [torch.empty(concrete(shape, rows), dtype=DTYPES[dt], device=dev)
+                       for _, shape, dt in info["inputs"][:n_args]]
+        self.outs = [torch.empty(concrete(shape, rows), dtype=DTYPES[dt], device=dev)
+                     for _, shape, dt in info["outputs"]]
         for (name, _, _), t in zip(info["inputs"] + info["outputs"], self.inputs + bufs + self.outs, strict=True):
             self.context.set_tensor_address(name, t.data_ptr() or t.untyped_storage().data_ptr())
         self.write_back, self.n_out = write_back, len(self.outs) - len(bufs)
@@ -173,17 +218,19 @@ class EngineGraph:
 
 
 def runners(path: Path, manifest: dict, graphs) -> dict:
-    """The callables StaticPasses runs, one engine per graph, over the Decoder's own caches."""
+    """The callables StaticPasses runs, one execution context per graph (the verify engine: one per
+    bucket's profile), over the Decoder's own caches."""
     if not graphs.verifier.embed_tokens.weight.is_cuda:
         raise GlanceError("a TensorRT engine runs on a CUDA GPU: load the target with device='cuda' (--device cuda)")
+    engines = EngineFiles(path)
 
-    def make(info, name, bufs):
+    def make(info, name, bufs, rows):
         def write_back(inputs, new):
-            rows = written_rows(graphs, name, inputs)  # on the device, from the static inputs: capturable
+            written = written_rows(graphs, name, inputs)  # on the device, from the static inputs: capturable
             for b, n in zip(bufs, new, strict=True):
-                b.index_copy_(2, rows, n)
+                b.index_copy_(2, written, n)
 
-        return EngineGraph(path, info, bufs, write_back)
+        return EngineGraph(engines, info, bufs, write_back, rows)
 
     return exported_runners(manifest, graphs, make)
 
@@ -192,7 +239,7 @@ class _VisionSession:
     """An engine behind VisionGraphs' session interface (`run(None, feeds) -> [features]`, numpy)."""
 
     def __init__(self, path: Path, info: dict):
-        self.graph, self.names = EngineGraph(path, info, []), [n for n, _, _ in info["inputs"]]
+        self.graph, self.names = EngineGraph(EngineFiles(path), info, []), [n for n, _, _ in info["inputs"]]
 
     def run(self, _outputs, feeds: dict):
         out = self.graph(*(torch.from_numpy(feeds[n]) for n in self.names))

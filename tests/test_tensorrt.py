@@ -14,6 +14,7 @@ import torch
 import glance_rt
 from glance_rt.engines.tensorrt import PLUGIN_NAMESPACE, PLUGIN_OP, tensorrt_onnx
 from glance_rt.plugins import TENSORRT_PLUGIN
+from glance_rt.round.tree import max_depth
 from tests.conftest import hf_greedy, tiny_target
 from tests.test_export import drafter_for
 from tests.tiny_models import ARCHS, VLM_ARCHS, make_inputs
@@ -79,14 +80,25 @@ def test_tensorrt_rewrite_on_every_architecture(arch, tmp_path):
     """Every glance.TreeAttention node of every graph comes out tagged for TensorRT's parser: looked up
     as (op_type, plugin_version, plugin_namespace) = the registered plugin, its AOT implementation
     picked (aot=1), carrying the attribute the plugin declares (scale, a float); nothing else in the
-    graph changes, no local function is left to inline, and the exported file is left as it was."""
-    from glance_rt.export.onnx import export_onnx
+    graph changes, no local function is left to inline, and the exported file is left as it was. The
+    verify graph is the one a TensorRT build exports: one graph for the tree buckets (a symbolic row
+    dimension), whose optimization profiles pin each bucket's shapes."""
+    from glance_rt.engines.tensorrt import row_profiles
+    from glance_rt.export.onnx import ROWS, export_onnx
     from glance_rt.round.verify import static_graphs
 
     target, _, _ = tiny_target(arch)
     drafter = drafter_for(target, arch)
-    info = export_onnx(static_graphs(target, drafter, 96), tmp_path, (5,), False, 8, "plugin", progress=False)
-    assert set(info) == {"prefill", "verify-6", "draft", "context"}
+    info = export_onnx(static_graphs(target, drafter, 96), tmp_path, (4, 5), False, 8, "plugin", progress=False,
+                       dynamic_rows=True)
+    assert set(info) == {"prefill", "verify", "draft", "context"} and info["verify"]["rows"] == [5, 6]
+    mrope = info["verify"]["inputs"][1][1][0] == 3
+    assert row_profiles(info["verify"]) == [{"tokens": [t], "positions": [3, 1, t] if mrope else [1, t],
+                                             "tree_mask": [t, t], "parent": [t]} for t in (5, 6)]
+    assert row_profiles(info["prefill"]) == []
+    logits, feats, greedy, path = (o[1] for o in info["verify"]["outputs"][:4])
+    assert logits == [ROWS, target.vocab_size] and feats[0] == ROWS and greedy == [ROWS]
+    assert path == [max_depth(4) + 1]  # R long at any T
     layers = target.text_config.num_hidden_layers
     for key, g in info.items():
         path = tmp_path / g["file"]
@@ -96,7 +108,7 @@ def test_tensorrt_rewrite_on_every_architecture(arch, tmp_path):
         nodes = [n for n in tagged.graph.node if n.op_type == PLUGIN_OP]
         assert path.read_bytes() == before
         assert (model.SerializeToString() != tagged.SerializeToString()) == bool(nodes)
-        assert len(nodes) == {"prefill": layers, "verify-6": layers, "draft": 2, "context": 0}[key] == \
+        assert len(nodes) == {"prefill": layers, "verify": layers, "draft": 2, "context": 0}[key] == \
             g["tree_attention_nodes"]
         for n in nodes:
             a = attrs(n)
@@ -134,18 +146,21 @@ def test_build_engine_without_tensorrt_says_how(tmp_path):
 @pytest.mark.tensorrt
 @pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
 def test_tensorrt_engine_is_lossless(arch, tmp_path):
-    """fp32 on a GPU: the engine's tokens equal Hugging Face greedy's, and its graphs replay."""
+    """fp32 on a GPU: the engine's tokens equal Hugging Face greedy's at each tree budget, its graphs
+    replay, and the tree buckets share ONE verify engine (a profile each)."""
     from glance_rt.engines.engine import build_engine
 
     target, model, processor = tiny_target(arch)
     target = glance_rt.load_target(model.to("cuda"), dtype="float32", device="cuda")
     drafter = drafter_for(target, arch).to("cuda")
-    build_engine(target, drafter, tmp_path / "e", backend="tensorrt", budgets=(6,), max_len=128, chunk=8,
+    build_engine(target, drafter, tmp_path / "e", backend="tensorrt", budgets=(0, 4, 6), max_len=128, chunk=8,
                  progress=False)
     m = json.loads((tmp_path / "e" / "manifest.json").read_text())
     assert all((tmp_path / "e" / g["engine"]).is_file() for g in m["graphs"].values())
-    dec = glance_rt.Decoder.from_engine(tmp_path / "e", target, drafter)
-    for prompt in ("Hi", "Count the objects, then name their colours."):
-        inputs = {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in
-                  make_inputs(arch, processor, prompt=prompt, n_images=1 if arch in VLM_ARCHS else 0).items()}
-        assert dec.generate(max_new_tokens=16, **inputs).token_ids == hf_greedy(model, inputs, 16)
+    assert m["graphs"]["verify"]["rows"] == [5, 7] and len(m["graphs"]["verify"]["profiles"]) == 2
+    for budget in (4, 6):
+        dec = glance_rt.Decoder.from_engine(tmp_path / "e", target, drafter, tree_budget=budget)
+        for prompt in ("Hi", "Count the objects, then name their colours."):
+            inputs = {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in
+                      make_inputs(arch, processor, prompt=prompt, n_images=1 if arch in VLM_ARCHS else 0).items()}
+            assert dec.generate(max_new_tokens=16, **inputs).token_ids == hf_greedy(model, inputs, 16)
