@@ -58,7 +58,7 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
                  max_len: int = 1024, chunk: int = 64, target_source=None, drafter_source=None,
                  progress: bool = True, flavor: str | None = None, ort_include=None, image_sizes=(),
                  tuner: KernelTuner | None = None, lookup_budget: int = 0, numerics: str = "fast",
-                 max_batch: int = 1, mapped_weights: bool = False, dynamic_rows: bool = False) -> Path:
+                 max_batch: int = 1, mapped_weights: bool = False, dynamic_rows: bool | None = None) -> Path:
     """Build the static graphs of `target` (+ `drafter`) for `backend` into the folder `out`.
     An interrupted build resumes from its finished graphs; the manifest is written last.
     `flavor` (None: the backend's default, the first in FLAVORS): for aoti, "frozen" compiles the
@@ -79,9 +79,10 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     `draft_batch` per slots bucket) for `glance_rt.Batch`; a load runs a Decoder of that max_batch.
     `mapped_weights` (onnxruntime only): a load's sessions all read one memory map of the engine's
     weights file, prepacking off (one copy in memory, slower GEMMs), instead of each prepacking its own.
-    `dynamic_rows` (onnxruntime; tensorrt always): the tree buckets' verify graphs as one graph with a
-    symbolic row dimension (`glance_rt.export.onnx.dynamic_verify`): one session for all of them; a
-    TensorRT build makes it one engine with an optimization profile per bucket."""
+    `dynamic_rows` (None: on for onnxruntime and tensorrt, which requires it): the tree buckets' verify
+    graphs as one graph with a symbolic row dimension (`glance_rt.export.onnx.dynamic_verify`): one ONNX
+    Runtime session for all of them (one prepacked copy of the weights instead of one per bucket); a
+    TensorRT build makes it one engine with an optimization profile per bucket. False: a graph per bucket."""
     if backend not in FLAVORS:
         raise GlanceError(f"unknown engine backend {backend!r}: choose one of {', '.join(ENGINE_BACKENDS)}")
     if flavor is not None and flavor not in FLAVORS[backend]:
@@ -103,7 +104,10 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     if dynamic_rows and backend == "aoti":
         raise GlanceError("--dynamic-rows is for onnxruntime engines (tensorrt engines always have it); an aoti "
                           "engine compiles a package per verify bucket, sharing one copy of the weights at load")
-    dynamic_rows = dynamic_rows or backend == "tensorrt"
+    if dynamic_rows is False and backend == "tensorrt":
+        raise GlanceError("--graph-per-bucket: a tensorrt engine builds ONE verify engine with an optimization profile "
+                          "per tree bucket (from the dynamic-rows verify graph); drop the flag")
+    dynamic_rows = backend != "aoti" if dynamic_rows is None else dynamic_rows
     impl = _backend(backend)
     image_sizes = [list(s) for s in image_sizes]
     if image_sizes and backend == "aoti":
@@ -239,7 +243,8 @@ def engine_backend(path, m: dict) -> Backend:
 
 
 def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int | None = None, gate=None,
-                lookup_budget: int | None = None, numerics: str | None = None, max_batch: int | None = None):
+                lookup_budget: int | None = None, numerics: str | None = None, max_batch: int | None = None,
+                prefill_chunk: int | None = None):
     """A `cls` (Decoder) whose passes run the engine in `path`. `tree_budget` None: the largest
     tree budget it was built for (not its lookup rounds' bucket). The draft gate (`gate` None: where
     it can run) needs the one-row verify graph that `--tree-budget 0` builds. Lookup rounds verify
@@ -283,4 +288,4 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
         lookup_budget = rows
     return cls(target, drafter, tree_budget=tree_budget, chain=m["chain"], max_length=m["max_len"],
                backend=engine_backend(path, m), lookup=lookup, gate=gate, lookup_budget=lookup_budget, numerics=built,
-               max_batch=slots)
+               max_batch=slots, prefill_chunk=prefill_chunk)

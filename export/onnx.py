@@ -315,11 +315,11 @@ def export_onnx(graphs, out, budgets, chain: bool, chunk: int, flavor: str = "po
 
 def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20, budgets=(8,), chain: bool = False,
                  max_len: int = 1024, chunk: int = 64, target_source=None, drafter_source=None,
-                 progress: bool = True, image_sizes=(), lookup_budget: int = 0, dynamic_rows: bool = False) -> Path:
+                 progress: bool = True, image_sizes=(), lookup_budget: int = 0, dynamic_rows: bool = True) -> Path:
     """`glance-rt export`: ONNX graphs of `target` (+ `drafter`) and their manifest, in `out`;
     `image_sizes`: (W, H) image buckets to export a VLM's vision graphs for; `lookup_budget` > 0:
     the verify graph of lookup rounds of that many rows too (`lookup_buckets`); `dynamic_rows`: one
-    verify graph for the tree buckets (`dynamic_verify`)."""
+    verify graph for the tree buckets (`dynamic_verify`; False: a graph per bucket)."""
     tree_budgets = graph_budgets(drafter, budgets, max_len, chunk)
     budgets = lookup_buckets(drafter, chain, tree_budgets, lookup_budget)
     out = Path(out)

@@ -11,6 +11,7 @@ from glance_rt.errors import GlanceError
 from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_LOOKUP_BUDGET, DEFAULT_TREE_BUDGET, Method, job_max_length
 
 DEFAULT_SERVE_BATCH = 8  # serve's --max-batch where batched rounds run
+DEFAULT_PREFILL_CHUNK = 256  # serve's --prefill-chunk: prompt rows a step while others decode
 
 # options shared by several commands
 TARGET = click.option("--target", "target_path", type=click.Path(), default=None,
@@ -123,10 +124,11 @@ def _image_size(ctx, param, values):
 IMAGE_SIZES = click.option("--image-size", "image_sizes", multiple=True, callback=_image_size,
                            help="VLM targets: export a vision graph for images of WxH pixels (repeatable; one "
                                 "static image bucket each). Without it the vision tower runs in torch.")
-DYNAMIC_ROWS = click.option("--dynamic-rows", is_flag=True,
-                            help="One verify graph with a symbolic row dimension for every tree budget bucket (one "
-                                 "ONNX Runtime session for all; TensorRT engines always build it, one optimization "
-                                 "profile per bucket) instead of a graph per bucket.")
+DYNAMIC_ROWS = click.option("--dynamic-rows/--graph-per-bucket", default=None,
+                            help="ONNX graphs: one verify graph with a symbolic row dimension for every tree budget "
+                                 "bucket (the default: one ONNX Runtime session and one prepacked copy of the weights "
+                                 "for all; TensorRT builds it into one engine with an optimization profile per "
+                                 "bucket), or a verify graph per bucket.")
 SUITE_IMAGES = click.option("--images", type=click.Path(), default=None,
                             help="Folder the suite's image paths are relative to.")
 
@@ -536,16 +538,17 @@ def bench(target_path, drafter_path, suite, per_kind, images, methods, max_new_t
 
 
 def _method_decoder(method: Method, target_path, drafter_path, dtype, device, max_length, encode, max_new_tokens,
-                    max_batch: int | None = 1):
+                    max_batch: int | None = 1, prefill_chunk: int | None = None):
     """-> (target, the Decoder that runs `method`, the job's encoded prompts `encode(target)`). The
     static caches are sized to the job (`glance_rt.method.job_max_length`) unless --max-length is
     given; an engine's are its manifest's, its target and drafter its sources unless overridden.
     `max_batch`: sequences decoded at once (`Decoder`); None: `DEFAULT_SERVE_BATCH` where the method runs
-    batched rounds (eager or compiled passes over a GLANCE drafter or none), else 1."""
+    batched rounds (eager or compiled passes over a GLANCE drafter or none), else 1. `prefill_chunk`: as
+    in `Decoder`."""
     from glance_rt.round.loop import Decoder
 
     if method.engine is not None:
-        dec = _engine_decoder(method, target_path, drafter_path, max_batch)
+        dec = _engine_decoder(method, target_path, drafter_path, max_batch, prefill_chunk)
         return dec.target, dec, encode(dec.target)
     from dataclasses import replace
 
@@ -563,10 +566,12 @@ def _method_decoder(method: Method, target_path, drafter_path, dtype, device, ma
 
         batched = (method.backend or default_backend(target.device)) in ("eager", "plain", "compile")
         max_batch = DEFAULT_SERVE_BATCH if batched and not isinstance(drafter, Eagle3Drafter) else 1
-    return target, Decoder.from_method(method, target, drafter, max_length, max_batch=max_batch), encoded
+    return target, Decoder.from_method(method, target, drafter, max_length, max_batch=max_batch,
+                                       prefill_chunk=prefill_chunk), encoded
 
 
-def _engine_decoder(method: Method, target_path, drafter_path, max_batch: int | None = None):
+def _engine_decoder(method: Method, target_path, drafter_path, max_batch: int | None = None,
+                    prefill_chunk: int | None = None):
     """Decoder.from_engine, with --target/--drafter overriding the sources its manifest names
     (`max_batch` None: the engine's)."""
     from glance_rt.export.manifest import read_manifest
@@ -581,7 +586,7 @@ def _engine_decoder(method: Method, target_path, drafter_path, max_batch: int | 
                              device=m["source"]["device"])
     if drafter_path is not None:
         drafter = open_drafter(drafter_path, target, m.get("eagle3"))  # drafting as the engine was built
-    return Decoder.from_method(method, target, drafter, max_batch=max_batch)
+    return Decoder.from_method(method, target, drafter, max_batch=max_batch, prefill_chunk=prefill_chunk)
 
 
 @main.command("build-engine")
@@ -676,7 +681,7 @@ def export(target_path, drafter_path, out, budgets, chain, max_length, chunk, op
         export_model(target, drafter, out, flavor=flavor, opset=opset, budgets=budgets, chain=chain,
                      max_len=max_length, chunk=chunk, target_source=target_path, drafter_source=drafter_path,
                      image_sizes=image_sizes, lookup_budget=_lookup_bucket(lookup_budget, drafter, chain),
-                     dynamic_rows=dynamic_rows)
+                     dynamic_rows=dynamic_rows is not False)
     except GlanceError as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"onnx: {out} ({flavor}, opset {opset}, {time.perf_counter() - start:.0f} s); graphs in {out}/GRAPHS.md")
@@ -707,8 +712,11 @@ def export(target_path, drafter_path, out, budgets, chain, max_length, chunk, op
 @click.option("--api-key", envvar="GLANCE_RT_API_KEY", default=None,
               help="Every /v1 request must send 'Authorization: Bearer KEY' (401 otherwise; /health and /metrics "
                    "stay open). Required to bind anywhere but loopback. Env: GLANCE_RT_API_KEY.")
+@click.option("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, show_default=True,
+              help="Prompt rows prefilled per step while other requests decode (a long prompt joining is spread "
+                   "over several steps instead of stalling the running streams); 0: each prompt in one pass.")
 def serve(target_path, drafter_path, method, max_length, dtype, device, host, port, max_queue, request_timeout,
-          default_max_tokens, model_name, max_batch, api_key):
+          default_max_tokens, model_name, max_batch, api_key, prefill_chunk):
     """Serve the target over an OpenAI-compatible HTTP API (chat and text completions, streaming,
     images, /metrics), decoding up to --max-batch requests at once (continuous batching: each joins at a
     round boundary) from a bounded queue; warms up before it reports ready."""
@@ -725,9 +733,11 @@ def serve(target_path, drafter_path, method, max_length, dtype, device, host, po
                                    "GLANCE_RT_API_KEY) so that only clients with the key are served")
     if max_batch is not None and max_batch < 1:
         raise click.ClickException(f"--max-batch must be at least 1, got {max_batch}")
+    if prefill_chunk < 0:
+        raise click.ClickException(f"--prefill-chunk must be 0 (off) or a number of prompt rows, got {prefill_chunk}")
     try:
         target, dec, _ = _method_decoder(method, target_path, drafter_path, dtype, device, max_length,
-                                         lambda t: [], default_max_tokens, max_batch)
+                                         lambda t: [], default_max_tokens, max_batch, prefill_chunk or None)
         click.echo(f"[glance-rt] warming up {_describe(dec)} ...", err=True)
         dec.warmup()
     except GlanceError as e:

@@ -327,3 +327,58 @@ def test_an_aoti_engine_built_for_batches_decodes_them(tmp_path):
         assert res.token_ids == hf_greedy(model, r, n)
     with pytest.raises(glance_rt.GlanceError, match="built for batches of 2"):
         glance_rt.Decoder.from_engine(out, target, drafter, max_batch=1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+@pytest.mark.parametrize("backend", ["eager", "compile"])
+def test_a_prompt_prefilled_in_pieces_decodes_as_in_one_pass(arch, backend):
+    """Decoder(prefill_chunk=C): the prompt in pieces of C rows (a VLM's image rows cut through, the
+    compiled prefill graph's chunk not a divisor of C) gives HF greedy's tokens alone and batched."""
+    target, model, processor = tiny_target(arch)
+    reqs = requests(arch, processor)
+    drafter = glance_rt.init_drafter(target, block_size=4, seed=1)
+    kw = dict(tree_budget=6, backend=backend, chunk=8, max_length=256, prefill_chunk=5, prepack=False)
+    alone = glance_rt.Decoder(target, drafter, **kw)
+    results = Batch(glance_rt.Decoder(target, drafter, max_batch=3, **kw)).run(
+        [dict(r, max_new_tokens=n) for r, n in zip(reqs, NEW, strict=True)])
+    for r, n, res in zip(reqs, NEW, results, strict=True):
+        want = hf_greedy(model, r, n)
+        assert alone.generate(max_new_tokens=n, **r).token_ids == want and res.token_ids == want
+    assert max(r["input_ids"].shape[1] for r in reqs) > 3 * 5  # several pieces
+    for bad in (0, -2, 2.5):
+        with pytest.raises(glance_rt.GlanceError, match="prefill_chunk must be"):
+            glance_rt.Decoder(target, drafter, prefill_chunk=bad)
+
+
+def test_a_long_prompt_joining_is_prefilled_between_the_running_sequences_rounds():
+    """With prefill_chunk, a sequence joining while another decodes is prefilled C prompt rows a step,
+    and the running sequence commits tokens in each of those steps (without it, the join's whole
+    prefill runs in one step); a batch with no one decoding prefills its joiners whole in the first
+    step; every sequence's tokens == HF greedy."""
+    target, model, processor = tiny_target("llama")
+    long = make_inputs("llama", processor, prompt=" ".join(["one two three four five six"] * 6))
+    short = requests("llama", processor)[0]
+    drafter = glance_rt.init_drafter(target, block_size=4, seed=1)
+    p = long["input_ids"].shape[1]
+    for chunk in (8, None):
+        batch = Batch(glance_rt.Decoder(target, drafter, tree_budget=6, gate=False, max_batch=2, prefill_chunk=chunk))
+        running = batch.add(40, **short)
+        tokens = {running: [t for ev in batch.step() for t in ev.tokens]}
+        joining = batch.add(12, **long)
+        tokens[joining] = []
+        steps_to_first = 0
+        while not tokens[joining]:
+            events = list(batch.step())
+            steps_to_first += 1
+            for ev in events:
+                tokens[ev.handle] += ev.tokens
+            assert [t for ev in events if ev.handle == running for t in ev.tokens]  # it never stalls
+        assert steps_to_first == (-(-p // chunk) if chunk else 1)
+        while len(batch):
+            for ev in batch.step():
+                tokens[ev.handle] += ev.tokens
+        assert tokens[running] == hf_greedy(model, short, 40) and tokens[joining] == hf_greedy(model, long, 12)
+    batch = Batch(glance_rt.Decoder(target, drafter, max_batch=2, prefill_chunk=8))
+    first, second = batch.add(5, **long), batch.add(5, **short)
+    firsts = [ev.handle for ev in batch.step() if ev.tokens]
+    assert first in firsts and second in firsts  # no one decoding: both prompts whole in the first step

@@ -120,14 +120,14 @@ def test_build_engine_onnxruntime_and_cli_export(tmp_path_factory, tmp_path):
 
 
 def test_an_export_holds_one_copy_of_the_weights(tmp_path):
-    """Five graphs (prefill, verify at two budgets, draft, context) share one data file holding each
-    weight once; sharing again changes nothing; ONNX Runtime runs the graphs losslessly."""
+    """Five graphs (prefill, verify at two budgets: `--graph-per-bucket`, draft, context) share one data
+    file holding each weight once; sharing again changes nothing; ONNX Runtime runs the graphs losslessly."""
     from glance_rt.export.weights import WEIGHTS, share_weights
 
     target, model, processor = tiny_target("qwen2")
     drafter = glance_rt.init_drafter(target, num_layers=2, block_size=4, seed=1)
     out = tmp_path / "x"
-    export_model(target, drafter, out, budgets=(4, 8), max_len=96, chunk=8, progress=False)
+    export_model(target, drafter, out, budgets=(4, 8), max_len=96, chunk=8, progress=False, dynamic_rows=False)
     assert [p.name for p in out.glob("*.data")] == [WEIGHTS]
     params = {id(p): p.numel() * p.element_size() for m in (model, drafter) for p in m.parameters()}
     size = (out / WEIGHTS).stat().st_size

@@ -21,6 +21,7 @@ import glance_rt
 openai = pytest.importorskip("openai", reason="the openai client is a dev dependency")
 
 MAX_LENGTH = 256
+PIECE = 8  # --prefill-chunk: every prompt here is prefilled in several pieces, as offline
 
 
 def free_port() -> int:
@@ -79,16 +80,18 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    s = Server(*tiny, "--max-queue", "2", "--max-tokens", "16")
+    s = Server(*tiny, "--max-queue", "2", "--max-tokens", "16", "--prefill-chunk", str(PIECE))
     yield s
     s.close()
 
 
 @pytest.fixture(scope="module")
 def offline(tiny):
-    """The same method offline (the server's defaults: tree 8 + prompt lookup, eager, same cache size)."""
+    """The same method offline (the server's defaults: tree 8 + prompt lookup, eager, same cache size; the
+    prompt prefilled in the same pieces)."""
     target = glance_rt.load_target(tiny[0])
-    dec = glance_rt.Decoder(target, glance_rt.load_drafter(tiny[1], target), max_length=MAX_LENGTH)
+    dec = glance_rt.Decoder(target, glance_rt.load_drafter(tiny[1], target), max_length=MAX_LENGTH,
+                            prefill_chunk=PIECE)
 
     def run(prompt: str, images=(), sampling=None, max_tokens=16):
         inputs = target.encode_chat(prompt, images)
@@ -232,7 +235,7 @@ def test_load_no_request_lost_or_mixed_and_disconnect_frees_the_decoder(server, 
 def test_api_key_guards_v1_and_one_at_a_time_still_serves(tiny, offline):
     """--api-key: /v1 routes answer 401 (OpenAI's format) without the key or with a wrong one, and serve
     with it; /health and /metrics stay open. --max-batch 1 decodes one request at a time, same output."""
-    s = Server(*tiny, "--api-key", "sesame", "--max-batch", "1", "--max-tokens", "8")
+    s = Server(*tiny, "--api-key", "sesame", "--max-batch", "1", "--max-tokens", "8", "--prefill-chunk", str(PIECE))
     try:
         assert json.loads(get(s.url + "/health")[1])["max_batch"] == 1
         assert get(s.url + "/metrics")[0] == 200
@@ -261,3 +264,5 @@ def test_serve_refuses_an_open_bind_without_a_key(tiny):
     assert out.exit_code != 0 and "--api-key" in out.output
     out = CliRunner().invoke(main, ["serve", "--target", tiny[0], "--max-batch", "0"], env=env)
     assert out.exit_code != 0 and "--max-batch" in out.output
+    out = CliRunner().invoke(main, ["serve", "--target", tiny[0], "--prefill-chunk", "-1"], env=env)
+    assert out.exit_code != 0 and "--prefill-chunk" in out.output

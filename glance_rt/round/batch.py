@@ -4,7 +4,10 @@ A `Decoder(..., max_batch=B)` holds B cache slots (`KVCache`: the target's and t
 gives each sequence it admits a slot and runs every sequence's `Decoder.sequence` coroutine (the same
 round loop one sequence runs alone: lookup, tree, gate, sampling, stop rules) up to the pass it needs:
 
-    step():  each sequence runs on to its next draft or verify call (a new one through its prefill)
+    step():  each sequence runs on to its next draft or verify call (a new one to its prefill)
+             -> the joining sequences' prefills: whole, or with `Decoder(prefill_chunk=C)` C prompt
+                rows a step while others decode (the oldest first), so a long prompt joining does not
+                stall the running sequences for its whole prefill
              -> ONE draft pass over the sequences that draft   (`DraftPass.forward_batch`)
              -> each builds its tree on the host
              -> ONE verify pass over every sequence's tree rows (`TargetDecoder.forward_batch`)
@@ -138,6 +141,7 @@ class Batch:
             for seq in list(self.sequences.values()):
                 if seq.pending is None:
                     yield from self._advance(seq, None)
+            yield from self._prefills()
             for name in BATCHED:
                 waiting = [s for s in self.sequences.values() if s.pending is not None and s.pending.name == name]
                 if not waiting:
@@ -189,7 +193,7 @@ class Batch:
                 value = None
                 if type(item) is not Call:
                     tokens += item
-                elif item.name in BATCHED:
+                elif item.name in BATCHED or item.name == "prefill":  # run by the step (`_prefills`, `_batched`)
                     seq.pending = item
                     break
                 else:
@@ -209,7 +213,33 @@ class Batch:
             yield self._end(seq, tokens, e)
             return
         seq.pause()
-        yield Event(seq.handle, tokens)
+        if tokens or seq.pending.name != "prefill":  # a prompt still prefilling has nothing to say yet
+            yield Event(seq.handle, tokens)
+
+    def _prefills(self):
+        """Run the waiting prefill pieces, the oldest sequence's first. Where sequences were decoding when
+        the step began (waiting for its draft or verify pass), stop once `prefill_chunk` prompt rows ran
+        (at least one piece), so they wait for at most that much prefill a step; else (or with
+        prefill_chunk None: each prompt is one piece) run them all: a burst of requests arriving together
+        is prefilled at once, as without pieces. A sequence whose last piece ran goes on to its first
+        token and its first round's pass."""
+        budget, ran = self.decoder.prefill_chunk, 0
+        decoding = any(s.pending is not None and s.pending.name in BATCHED for s in self.sequences.values())
+        for seq in sorted(self.sequences.values(), key=lambda s: s.handle):
+            while seq.pending is not None and seq.pending.name == "prefill":
+                if budget is not None and decoding and ran >= budget:
+                    return
+                call, seq.pending = seq.pending, None
+                ran += call.args[0].shape[1]
+                seq.resume()
+                try:
+                    result = self._single(call, seq.slot)
+                except Exception as e:
+                    seq.pause()
+                    yield self._end(seq, [], e)
+                    break
+                seq.pause()
+                yield from self._advance(seq, result)
 
     def _regime(self) -> int:
         """The gate's cost regime: how many sequences share the passes, in powers of two (1, 2, 4, ...)."""

@@ -182,14 +182,25 @@ class Decoder:
     together by a `glance_rt.round.batch.Batch` (one draft pass and one verify pass a round for all of
     them; eager or compile backend, a GLANCE drafter or none; compiled: a graph per (slots, rows) bucket,
     `warmup` compiles them all). `generate`, `rounds` and `stream` use slot 0.
+
+    `prefill_chunk`: prefill the prompt in pieces of that many rows (None: one pass), each attending the
+    pieces before it. Alone the pieces run back to back; in a `Batch` a joining sequence's pieces are
+    spread over the steps (`prefill_chunk` prompt rows a step while others decode), so a long prompt
+    joining does not stall the running sequences for its whole prefill. A sequence's tokens are the same
+    alone and batched at the same setting (the same pieces).
     """
 
     def __init__(self, target, drafter=None, tree_budget: "int | AdaptiveBudget | None" = None, chain: bool = False,
                  max_length: int = DEFAULT_MAX_LENGTH, backend: "str | Backend | None" = None, chunk: int = 64,
                  lookup: int | None = None, prepack: "bool | str | KernelTuner" = "auto",
                  gate: "bool | GateConfig | None" = None, lookup_budget: int | None = None,
-                 device_round: bool | None = None, numerics: str = "fast", max_batch: int = 1):
+                 device_round: bool | None = None, numerics: str = "fast", max_batch: int = 1,
+                 prefill_chunk: int | None = None):
         self.numerics = check_numerics(numerics)
+        if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            raise GlanceError(f"prefill_chunk must be an int >= 1 (prompt rows per prefill piece) or None, "
+                              f"got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
         if not isinstance(max_batch, int) or max_batch < 1:
             raise GlanceError(f"max_batch must be an int >= 1, got {max_batch!r}")
         self.max_batch = max_batch
@@ -253,7 +264,8 @@ class Decoder:
     @classmethod
     def from_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: int | None = None,
                     gate: "bool | GateConfig | None" = None, lookup_budget: int | None = None,
-                    numerics: str | None = None, max_batch: int | None = None) -> "Decoder":
+                    numerics: str | None = None, max_batch: int | None = None,
+                    prefill_chunk: int | None = None) -> "Decoder":
         """A Decoder that runs the engine built in `path` (`glance-rt build-engine`). `target` and
         `drafter` default to the ones the engine was built from (any other must match its manifest);
         `tree_budget` defaults to its largest budget bucket, or pass an int or AdaptiveBudget over its
@@ -262,15 +274,16 @@ class Decoder:
         as in `Decoder` where the engine has that budget bucket (None: the default where it has it, else
         the tree's budget). The engine's manifest says its numerics (`build-engine --exact`) and its
         batch (`--max-batch`); `numerics` and `max_batch`, if given, must be them."""
-        return load_engine(cls, path, target, drafter, tree_budget, lookup, gate, lookup_budget, numerics, max_batch)
+        return load_engine(cls, path, target, drafter, tree_budget, lookup, gate, lookup_budget, numerics, max_batch,
+                           prefill_chunk)
 
     @classmethod
     def from_method(cls, method: Method, target, drafter=None, max_length: int | None = None,
-                    policy=None, max_batch: int | None = None) -> "Decoder":
+                    policy=None, max_batch: int | None = None, prefill_chunk: int | None = None) -> "Decoder":
         """The Decoder that runs `method` (`glance_rt.method.Method`) for `target` (+ `drafter`;
         None decodes autoregressively). `max_length`: static cache rows (None: `DEFAULT_MAX_LENGTH`;
         an engine has its own). `policy`: the calibrated AdaptiveBudget of an "adaptive" method.
-        `max_batch`: as in `Decoder` (None: 1; an engine's own)."""
+        `max_batch`: as in `Decoder` (None: 1; an engine's own); `prefill_chunk` as in `Decoder`."""
         drafter = None if method.kind == "ar" else drafter
         eagle3 = isinstance(drafter, Eagle3Drafter)
         if method.kind == "eagle3" and drafter is not None and not eagle3:
@@ -282,7 +295,7 @@ class Decoder:
         if method.engine is not None:
             return cls.from_engine(method.engine, target, drafter, tree_budget=method.tree_budget, lookup=method.lookup,
                                    gate=None if method.gate else False, lookup_budget=method.lookup_budget,
-                                   numerics=method.numerics, max_batch=max_batch)
+                                   numerics=method.numerics, max_batch=max_batch, prefill_chunk=prefill_chunk)
         if method.kind == "adaptive" and policy is None:
             raise GlanceError("an adaptive method needs its calibrated AdaptiveBudget (glance_rt.round.adaptive)")
         plain = method.backend == "plain"  # eager with the HF modules' own linear layers
@@ -290,7 +303,7 @@ class Decoder:
                    chain=method.kind == "chain", lookup=method.lookup, max_length=max_length or DEFAULT_MAX_LENGTH,
                    backend="eager" if plain else method.backend, prepack=False if plain else "auto",
                    gate=None if method.gate else False, lookup_budget=method.lookup_budget, numerics=method.numerics,
-                   max_batch=max_batch or 1)
+                   max_batch=max_batch or 1, prefill_chunk=prefill_chunk)
 
     @staticmethod
     def _kernels(prepack, packable: bool):
@@ -432,7 +445,7 @@ class Decoder:
         pre = self.prefill_inputs(inputs)  # embeds [P, H], positions [P] or [3, P]
         p = pre.embeds.shape[0]
         stats.prompt_tokens = p
-        need = max(p + max_new_tokens + self._scratch_rows(), self.passes.rows_needed(p))
+        need = max(p + max_new_tokens + self._scratch_rows(), self.passes.rows_needed(p, self.prefill_chunk))
         if need > self.max_length:
             raise GlanceError(
                 f"prompt ({p} tokens) + max_new_tokens ({max_new_tokens}) + one round's scratch "
@@ -441,7 +454,12 @@ class Decoder:
             )
         dev = self.target.device
         positions = pre.positions[:, None] if self.mrope else pre.positions[None]  # [3, 1, P] or [1, P]
-        logits, feats = yield Call("prefill", (pre.embeds[None].to(self.target.dtype), positions.to(dev)))  # [V]
+        embeds, positions, feats = pre.embeds[None].to(self.target.dtype), positions.to(dev), []
+        piece = self.prefill_chunk or p  # the prompt in one pass, or in pieces of prefill_chunk rows
+        for s in range(0, p, piece):
+            logits, f = yield Call("prefill", (embeds[:, s : s + piece], positions[..., s : s + piece], s))
+            feats.append(f)  # [piece, F]
+        feats = feats[0] if len(feats) == 1 else torch.cat(feats)  # [P, F]; logits [V]: the last row's
         first = int(logits.argmax()) if chooser is None else chooser.choose(logits, ids, ids.numel())
         prior = entropy(logits)
         clock.lap("prefill")

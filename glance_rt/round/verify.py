@@ -44,7 +44,7 @@ class EagerPasses:
     def __init__(self, verifier: TargetDecoder, drafter):
         self.verifier, self.drafter = verifier, drafter
 
-    def rows_needed(self, prompt_len: int) -> int:
+    def rows_needed(self, prompt_len: int, piece: int | None = None) -> int:
         return prompt_len
 
     batches = True  # verify_batch and draft_batch: several sequences' passes as one
@@ -52,14 +52,15 @@ class EagerPasses:
     def warmup(self, budgets, chain: bool, rounds=()) -> None:
         """Nothing to compile: exact-length passes run as they come."""
 
-    def prefill(self, embeds: Tensor, positions: Tensor, slot: int = 0) -> tuple[Tensor, Tensor]:
-        """embeds [1, P, H], positions [1, P] / [3, 1, P] -> last row's logits [V], features [P, F].
+    def prefill(self, embeds: Tensor, positions: Tensor, start: int = 0, slot: int = 0) -> tuple[Tensor, Tensor]:
+        """embeds [1, P, H], positions [1, P] / [3, 1, P] of prompt rows [start, start + P) (a piece of a
+        prompt prefilled in pieces sees the rows before it) -> last row's logits [V], features [P, F].
         `slot`: the sequence's cache slot (`glance_rt.round.batch`), as in every pass below."""
         p, dev = embeds.shape[1], embeds.device
         causal = torch.ones(p, p, dtype=torch.bool, device=dev).tril()
         last = torch.tensor([p - 1], device=dev)
-        logits, feats = self.verifier(embeds, positions, torch.tensor(0, device=dev), causal, p, last, prefill=True,
-                                      slot=slot)
+        logits, feats = self.verifier(embeds, positions, torch.tensor(start, device=dev), causal, start + p, last,
+                                      prefill=True, slot=slot)
         return logits[0], feats
 
     def verify(self, tree, tokens: Tensor, positions: Tensor, start: int, mask: Tensor, slot: int = 0):
@@ -246,9 +247,12 @@ class StaticPasses:
     def _t(self, x) -> Tensor:
         return torch.tensor(x, device=self.device)
 
-    def rows_needed(self, prompt_len: int) -> int:
+    def rows_needed(self, prompt_len: int, piece: int | None = None) -> int:
+        """Cache rows the prompt's padded chunks (and the drafter's context chunks) write; `piece`: the
+        prompt prefilled in pieces of that many rows (`Decoder(prefill_chunk=)`), each padded from its start."""
         c = self.shapes.chunk
-        return -(-prompt_len // c) * c  # padded prompt chunks (and context chunks) stay inside the cache
+        last = (prompt_len - 1) // (piece or prompt_len) * (piece or prompt_len)  # the last piece's start
+        return max(-(-prompt_len // c) * c, last + -(-(prompt_len - last) // c) * c)
 
     @property
     def batches(self) -> bool:
@@ -281,11 +285,11 @@ class StaticPasses:
         reps[dim] = rows - n
         return torch.cat([x, last.repeat(*reps)], dim)
 
-    def prefill(self, embeds: Tensor, positions: Tensor, slot: int = 0) -> tuple[Tensor, Tensor]:
+    def prefill(self, embeds: Tensor, positions: Tensor, start: int = 0, slot: int = 0) -> tuple[Tensor, Tensor]:
         if "prefill" not in self.fns or self.cache.slots > 1:
             # the prompt in one exact-length eager pass (see compiled_fns; an engine's prefill graph attends
             # slot 0's rows, so a batched engine prefills every slot so, alike)
-            return EagerPasses(self.graphs.verifier, None).prefill(embeds, positions, slot)
+            return EagerPasses(self.graphs.verifier, None).prefill(embeds, positions, start, slot)
         p = embeds.shape[1]
         c = max(p, MIN_PREFILL_ROWS) if self.shapes.exact_prefill else self.shapes.chunk
         feats, logits = [], None
@@ -293,7 +297,7 @@ class StaticPasses:
             n = min(c, p - s)
             e = self._pad_rows(embeds[:, s : s + n], c, 1)  # [1, C, H] (C = P: the prompt in one exact pass)
             pos = self._pad_rows(positions[..., s : s + n], c, positions.dim() - 1)
-            logits, f = self.fns["prefill"](e, pos, self._t(s), self._t([n - 1]))
+            logits, f = self.fns["prefill"](e, pos, self._t(start + s), self._t([n - 1]))
             feats.append(f[:n].clone())  # a CUDA-graph replay of the next chunk reuses f's memory
         return logits[0], torch.cat(feats)
 
