@@ -11,7 +11,6 @@ from glance_rt.errors import GlanceError
 from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_LOOKUP_BUDGET, DEFAULT_TREE_BUDGET, Method, job_max_length
 
 DEFAULT_SERVE_BATCH = 8  # serve's --max-batch where batched rounds run
-DEFAULT_PREFILL_CHUNK = 256  # serve's --prefill-chunk: prompt rows a step while others decode
 
 # options shared by several commands
 TARGET = click.option("--target", "target_path", type=click.Path(), default=None,
@@ -712,9 +711,10 @@ def export(target_path, drafter_path, out, budgets, chain, max_length, chunk, op
 @click.option("--api-key", envvar="GLANCE_RT_API_KEY", default=None,
               help="Every /v1 request must send 'Authorization: Bearer KEY' (401 otherwise; /health and /metrics "
                    "stay open). Required to bind anywhere but loopback. Env: GLANCE_RT_API_KEY.")
-@click.option("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, show_default=True,
-              help="Prompt rows prefilled per step while other requests decode (a long prompt joining is spread "
-                   "over several steps instead of stalling the running streams); 0: each prompt in one pass.")
+@click.option("--prefill-chunk", type=int, default=0, show_default=True,
+              help="Prompt rows prefilled per step while other requests decode: a long prompt joining is spread "
+                   "over several steps instead of stalling the running streams (a smoother stream, at some "
+                   "throughput and time to first token on a CPU: docs/usage.md); 0: each prompt in one pass.")
 def serve(target_path, drafter_path, method, max_length, dtype, device, host, port, max_queue, request_timeout,
           default_max_tokens, model_name, max_batch, api_key, prefill_chunk):
     """Serve the target over an OpenAI-compatible HTTP API (chat and text completions, streaming,
