@@ -455,7 +455,7 @@ class Decoder:
         dev = self.target.device
         positions = pre.positions[:, None] if self.mrope else pre.positions[None]  # [3, 1, P] or [1, P]
         embeds, positions, feats = pre.embeds[None].to(self.target.dtype), positions.to(dev), []
-        piece = self.prefill_chunk or p  # the prompt in one pass, or in pieces of prefill_chunk rows
+        piece = self.prefill_chunk or max(p, 1)  # the prompt in one pass, or in pieces of prefill_chunk rows
         for s in range(0, p, piece):
             logits, f = yield Call("prefill", (embeds[:, s : s + piece], positions[..., s : s + piece], s))
             feats.append(f)  # [piece, F]

@@ -251,7 +251,8 @@ class StaticPasses:
         """Cache rows the prompt's padded chunks (and the drafter's context chunks) write; `piece`: the
         prompt prefilled in pieces of that many rows (`Decoder(prefill_chunk=)`), each padded from its start."""
         c = self.shapes.chunk
-        last = (prompt_len - 1) // (piece or prompt_len) * (piece or prompt_len)  # the last piece's start
+        piece = piece or max(prompt_len, 1)
+        last = max(prompt_len - 1, 0) // piece * piece  # the last piece's start
         return max(-(-prompt_len // c) * c, last + -(-(prompt_len - last) // c) * c)
 
     @property
