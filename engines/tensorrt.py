@@ -178,10 +178,10 @@ class EngineGraph:
         dev = bufs[0].device if bufs else torch.device("cuda")
         self.engines = engines  # keeps the runtime and the engine alive
         self.context = engines(info).create_execution_context()
-        if rows is not None:
-            self.context.set_optimization_profile_async(info["rows"].index(rows),
-                                                        torch.cuda.current_stream().cuda_stream)
-            for name, shape in row_profiles(info)[info["rows"].index(rows)].items():
+        if rows is not None:  # its bucket's profile (the build's order: `row_profiles`)
+            profile = info["rows"].index(rows)
+            self.context.set_optimization_profile_async(profile, torch.cuda.current_stream().cuda_stream)
+            for name, shape in row_profiles(info)[profile].items():
                 self.context.set_input_shape(name, shape)
         n_args = len(info["inputs"]) - len(bufs)
         self.inputs = [torch.empty(concrete(shape, rows), dtype=DTYPES[dt], device=dev)

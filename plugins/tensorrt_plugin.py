@@ -55,8 +55,8 @@ def tree_attention_aot(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDes
     """Compile the kernel for this node's dtype and shapes: (name, PTX, launch, extra int32 args).
     TensorRT launches it as (q, k, v, tree_mask, prefix_len, T, KV_ROWS, KV_BATCH, out), the kernel's ABI:
     one sequence (grid z = 1; the engines TensorRT builds decode one sequence at a time). T may be
-    symbolic (the verify engine's row dimension, one profile per bucket): the grid's row programs are
-    an expression of it (`kernel.grid`'s cdiv(GROUPS * T, BLOCK_M)), evaluated by TensorRT per launch."""
+    symbolic (the verify engine's row dimension, one profile per bucket): `kernel.grid` then returns an
+    expression of it for the row programs, evaluated by TensorRT per launch."""
     dtype = DTYPES[q.dtype]
     heads, head_dim = int(q.shape[1]), int(q.shape[3])
     kv_heads = int(k.shape[1])
@@ -68,8 +68,7 @@ def tree_attention_aot(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDes
     ptx = kernel.plugin_ptx(compiled, name)
     launch = trtp.KernelLaunchParams()
     block_m = kernel.blocks(head_dim, dtype)["BLOCK_M"]
-    launch.grid_x = trtp.cdiv(q.shape_expr[2] * groups, block_m)  # as kernel.grid, over a symbolic T
-    launch.grid_y, launch.grid_z = kv_heads, 1
+    launch.grid_x, launch.grid_y, launch.grid_z = kernel.grid(q.shape_expr[2] * groups, kv_heads, block_m)
     launch.block_x = compiled["num_warps"] * 32
     launch.shared_mem = compiled["shared"]
     extra = trtp.SymIntExprs(len(kernel.EXTRAS))

@@ -247,10 +247,11 @@ def tree_attention_combine_kernel(acc_ptr, ml_ptr, prefix_ptr, T, SPLITS, out_pt
     tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
 
-def grid(rows: int, kv_heads: int, block_m: int, sequences: int = 1) -> tuple[int, int, int]:
+def grid(rows, kv_heads: int, block_m: int, sequences: int = 1) -> tuple:
     """Programs for GROUPS * T folded query rows over kv_heads KV heads and `sequences` (for the split
-    kernel: sequences x cache splits)."""
-    return (triton.cdiv(rows, block_m), kv_heads, sequences)
+    kernel: sequences x cache splits). `rows` may be symbolic (the TensorRT plugin's expression of a
+    dynamic T): the ceiling division is written in + and // alone, which both support."""
+    return ((rows + block_m - 1) // block_m, kv_heads, sequences)
 
 
 def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int | None = SPLIT_ROWS,
