@@ -74,13 +74,15 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     default's, `default_lookup_budget`); `budgets` stay the tree budgets a load picks among.
     `numerics` "exact" (aoti only): the decode graphs in exact numerics (`glance_rt.models.exact`, the
     static form), recorded in the manifest; a load runs them as a Decoder with numerics="exact".
-    `max_batch` > 1 (aoti only, a GLANCE drafter or none): the caches hold that many sequences and the
-    engine carries the batched graphs (`StaticGraphs.verify_batch` per (slots, rows) bucket and
-    `draft_batch` per slots bucket) for `glance_rt.Batch`; a load runs a Decoder of that max_batch.
+    `max_batch` > 1 (aoti or onnxruntime, a GLANCE drafter or none): the caches hold that many sequences and
+    the engine carries the batched graphs (`StaticGraphs.verify_batch` per (slots, rows) bucket and
+    `draft_batch` per slots bucket: aoti a package each; onnxruntime one graph each with symbolic slots and
+    rows, `glance_rt.export.onnx.merge_buckets`) for `glance_rt.Batch`; a load runs a Decoder of that
+    max_batch.
     `mapped_weights` (onnxruntime only): a load's sessions all read one memory map of the engine's
     weights file, prepacking off (one copy in memory, slower GEMMs), instead of each prepacking its own.
     `dynamic_rows` (None: on for onnxruntime and tensorrt, which requires it): the tree buckets' verify
-    graphs as one graph with a symbolic row dimension (`glance_rt.export.onnx.dynamic_verify`): one ONNX
+    graphs as one graph with a symbolic row dimension (`glance_rt.export.onnx.merge_buckets`): one ONNX
     Runtime session for all of them (one prepacked copy of the weights instead of one per bucket); a
     TensorRT build makes it one engine with an optimization profile per bucket. False: a graph per bucket."""
     if backend not in FLAVORS:
@@ -95,9 +97,9 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
                           "kernels only (the ONNX export of the row-gathered attention is not built)")
     if not isinstance(max_batch, int) or max_batch < 1:
         raise GlanceError(f"max_batch must be an int >= 1, got {max_batch!r}")
-    if max_batch > 1 and (backend != "aoti" or eagle3_shape(drafter) is not None):
-        raise GlanceError(f"--max-batch {max_batch}: batched engines are built with --backend aoti over a GLANCE "
-                          f"drafter or none; {backend} graphs (and EAGLE-3 heads) take one sequence")
+    if max_batch > 1 and (backend == "tensorrt" or eagle3_shape(drafter) is not None):
+        raise GlanceError(f"--max-batch {max_batch}: batched engines are built with --backend aoti or onnxruntime over "
+                          f"a GLANCE drafter or none; {backend} engines (and EAGLE-3 heads) take one sequence")
     if mapped_weights and backend != "onnxruntime":
         raise GlanceError(f"--mapped-weights is for onnxruntime engines; {backend} engines already hold one copy of "
                           "the weights in memory (aoti) or keep them in their engines (tensorrt)")

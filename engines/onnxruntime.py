@@ -22,7 +22,7 @@ import torch
 from glance_rt.engines import ort_plugin
 from glance_rt.engines.ort_plugin import library_for
 from glance_rt.errors import require
-from glance_rt.export.onnx import concrete, export_onnx, exported_runners, written_rows
+from glance_rt.export.onnx import concrete, export_onnx, exported_runners, write_back, written_rows
 from glance_rt.export.vision import VisionGraphs, export_vision
 from glance_rt.export.weights import mapped_initializers, share_weights
 
@@ -89,21 +89,21 @@ def _empty(shape, dtype) -> torch.Tensor:
 class BoundGraph:
     """One graph's session with its I/O bound once through IOBinding: the caches it reads are the
     model's cache buffers, its outputs are preallocated tensors; per call only the small inputs are
-    rebound. The rows it wrote come back as outputs and are copied into the caches. `rows`: the row count
-    it runs a dynamic-rows graph at (its outputs' shapes; one BoundGraph per count, one session for all).
+    rebound. The rows it wrote come back as outputs and are copied into the caches. `dims`: the bucket it
+    runs a graph exported for several at (`served`: its outputs' shapes; one BoundGraph per bucket, one
+    session for all).
 
     Outputs are reused by the next call of the same graph (as with a CUDA-graph replay)."""
 
     def __init__(self, sess, info: dict, name: str, graphs, bufs: list, weights: dict | None = None,
-                 rows: int | None = None):
+                 dims: dict | None = None):
         self.sess, self.name, self.graphs, self.bufs = sess, name, graphs, bufs
         self.weights = weights  # the memory map its session reads (mapped weights): alive as long as it is
-        self.written_rows = written_rows
         self.in_names = [i[0] for i in info["inputs"][: len(info["inputs"]) - len(bufs)]]
         self.binding = sess.io_binding()
         for (n, _, _), b in zip(info["inputs"][len(self.in_names) :], bufs, strict=True):
             _bind(self.binding, n, b)
-        self.outs = [_empty(concrete(shape, rows), DTYPES[dt]) for _, shape, dt in info["outputs"]]  # [*shape]
+        self.outs = [_empty(concrete(shape, dims), DTYPES[dt]) for _, shape, dt in info["outputs"]]  # [*shape]
         for (n, _, _), t in zip(info["outputs"], self.outs, strict=True):
             _bind(self.binding, n, t, output=True)
         self.n_out = len(self.outs) - len(bufs)
@@ -113,9 +113,7 @@ class BoundGraph:
         for n, a in zip(self.in_names, args, strict=True):
             _bind(self.binding, n, a)
         self.sess.run_with_iobinding(self.binding)
-        rows = self.written_rows(self.graphs, self.name, args)
-        for b, new in zip(self.bufs, self.outs[self.n_out :], strict=True):
-            b.index_copy_(2, rows, new)
+        write_back(self.bufs, written_rows(self.graphs, self.name, args), self.outs[self.n_out :])
         res = tuple(self.outs[: self.n_out])
         return res if len(res) > 1 else res[0]
 
@@ -125,10 +123,10 @@ def runners(path: Path, manifest: dict, graphs) -> dict:
     one session bound once per bucket; mapped weights: all over one memory map of the engine's data file)."""
     mapped, sessions = _weights(manifest), {}
 
-    def make(info, name, bufs, rows):
+    def make(info, name, bufs, dims):
         if info["file"] not in sessions:
             sessions[info["file"]] = _session(path, info, manifest["flavor"], mapped)
-        return BoundGraph(sessions[info["file"]], info, name, graphs, bufs, mapped, rows)
+        return BoundGraph(sessions[info["file"]], info, name, graphs, bufs, mapped, dims)
 
     return exported_runners(manifest, graphs, make)
 

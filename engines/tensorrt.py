@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from glance_rt.errors import GlanceError, require
-from glance_rt.export.onnx import DOMAIN, concrete, export_onnx, exported_runners, written_rows
+from glance_rt.export.onnx import DOMAIN, ROWS, concrete, export_onnx, exported_runners, write_back, written_rows
 from glance_rt.export.vision import VisionGraphs, export_vision
 from glance_rt.files import atomic_write
 from glance_rt.plugins import TENSORRT_PLUGIN
@@ -82,7 +82,7 @@ def row_profiles(info: dict) -> list[dict[str, list[int]]]:
     buckets it serves), in that order: each pins every input with that dimension to one bucket's shape
     (min = opt = max). [] for a graph of fixed shapes."""
     dynamic = [(name, shape) for name, shape, _ in info["inputs"] if any(isinstance(d, str) for d in shape)]
-    return [{name: concrete(shape, t) for name, shape in dynamic} for t in info.get("rows", [])]
+    return [{name: concrete(shape, {ROWS: t}) for name, shape in dynamic} for t in info.get(ROWS, [])]
 
 
 def build_engine_file(onnx_path: Path, engine_path: Path, profiles=()) -> None:
@@ -168,25 +168,25 @@ class EngineFiles:
 
 class EngineGraph:
     """One engine's execution context with its tensors bound once. `bufs`: the caches it reads (bound
-    in place); after a call, `write_back(inputs, outputs)` writes the rows it returned into them. `rows`:
+    in place); after a call, `write_back(inputs, outputs)` writes the rows it returned into them. `dims`:
     the bucket it runs an engine with a profile per bucket at (its profile and input shapes set once).
     The first call runs the context once (warm-up), the second captures the copy-in, run and write-back
     in a CUDA graph, every later call replays it. Outputs are reused by the next call (as any CUDA-graph
     replay)."""
 
-    def __init__(self, engines: EngineFiles, info: dict, bufs: list, write_back=None, rows: int | None = None):
+    def __init__(self, engines: EngineFiles, info: dict, bufs: list, write_back=None, dims: dict | None = None):
         dev = bufs[0].device if bufs else torch.device("cuda")
         self.engines = engines  # keeps the runtime and the engine alive
         self.context = engines(info).create_execution_context()
-        if rows is not None:  # its bucket's profile (the build's order: `row_profiles`)
-            profile = info["rows"].index(rows)
+        if dims:  # its bucket's profile (the build's order: `row_profiles`)
+            profile = info[ROWS].index(dims[ROWS])
             self.context.set_optimization_profile_async(profile, torch.cuda.current_stream().cuda_stream)
             for name, shape in row_profiles(info)[profile].items():
                 self.context.set_input_shape(name, shape)
         n_args = len(info["inputs"]) - len(bufs)
-        self.inputs = [torch.empty(concrete(shape, rows), dtype=DTYPES[dt], device=dev)
+        self.inputs = [torch.empty(concrete(shape, dims), dtype=DTYPES[dt], device=dev)
                        for _, shape, dt in info["inputs"][:n_args]]
-        self.outs = [torch.empty(concrete(shape, rows), dtype=DTYPES[dt], device=dev)
+        self.outs = [torch.empty(concrete(shape, dims), dtype=DTYPES[dt], device=dev)
                      for _, shape, dt in info["outputs"]]
         for (name, _, _), t in zip(info["inputs"] + info["outputs"], self.inputs + bufs + self.outs, strict=True):
             self.context.set_tensor_address(name, t.data_ptr() or t.untyped_storage().data_ptr())
@@ -224,13 +224,11 @@ def runners(path: Path, manifest: dict, graphs) -> dict:
         raise GlanceError("a TensorRT engine runs on a CUDA GPU: load the target with device='cuda' (--device cuda)")
     engines = EngineFiles(path)
 
-    def make(info, name, bufs, rows):
-        def write_back(inputs, new):
-            written = written_rows(graphs, name, inputs)  # on the device, from the static inputs: capturable
-            for b, n in zip(bufs, new, strict=True):
-                b.index_copy_(2, written, n)
+    def make(info, name, bufs, dims):
+        def write(inputs, new):  # the written rows on the device, from the static inputs: capturable
+            write_back(bufs, written_rows(graphs, name, inputs), new)
 
-        return EngineGraph(engines, info, bufs, write_back, rows)
+        return EngineGraph(engines, info, bufs, write, dims)
 
     return exported_runners(manifest, graphs, make)
 

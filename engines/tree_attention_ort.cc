@@ -1,10 +1,11 @@
 // glance.TreeAttention for ONNX Runtime (CPU, float32): the kernel behind the `plugin` export flavor.
 //
 // Same contract as the torch op glance::tree_attention (glance_rt/attention.py) and the portable
-// flavor's ONNX function: q [1, H, T, D], k, v [1, KVH, L, D], tree_mask [T, T] bool, prefix_len []
-// int64, attribute scale -> out [1, H, T, D]. Query row t of head h attends KV head h / (H / KVH) at
-// cache rows j < prefix_len, and at rows prefix_len + i where tree_mask[t, i]; every other row
-// (the static tail of the cache) is skipped, not masked, so it costs nothing.
+// flavor's ONNX function: q [B, H, T, D], k, v [B, KVH, L, D], tree_mask [B, T, T] bool, prefix_len [B]
+// int64 (one sequence: B = 1 with tree_mask [T, T] and prefix_len [] allowed), attribute scale -> out
+// [B, H, T, D]. Query row t of sequence b, head h attends sequence b's KV head h / (H / KVH) at cache
+// rows j < prefix_len[b], and at rows prefix_len[b] + i where tree_mask[b, t, i]; every other row (the
+// static tail of the cache) is skipped, not masked, so it costs nothing.
 //
 // Built by glance_rt.engines.ort_plugin against ONNX Runtime's C API header (onnxruntime_c_api.h,
 // API version 13 or newer); it does not link against libonnxruntime: ORT hands the API table to
@@ -106,13 +107,19 @@ OrtStatus* Compute(const Kernel& kernel, OrtKernelContext* ctx) {
   for (int i = 0; i < 3; ++i)
     if (types[i] != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
       return Error("this CPU kernel runs float32 q, k, v only; export in float32 or use the portable flavor");
-  if (dims[0].size() != 4 || dims[1].size() != 4 || dims[2] != dims[1] || dims[0][0] != 1 || dims[1][0] != 1 ||
+  if (dims[0].size() != 4 || dims[1].size() != 4 || dims[2] != dims[1] || dims[0][0] != dims[1][0] ||
       dims[0][3] != dims[1][3])
-    return Error("expected q [1, H, T, D] and k, v [1, KVH, L, D]");
-  const int64_t heads = dims[0][1], t = dims[0][2], d = dims[0][3], kv_heads = dims[1][1], len = dims[1][2];
+    return Error("expected q [B, H, T, D] and k, v [B, KVH, L, D]");
+  const int64_t batch = dims[0][0], heads = dims[0][1], t = dims[0][2], d = dims[0][3], kv_heads = dims[1][1],
+                len = dims[1][2];
   if (kv_heads == 0 || heads % kv_heads != 0) return Error("query heads must be a multiple of KV heads");
-  if (dims[3].size() != 2 || dims[3][0] != t || dims[3][1] != t) return Error("expected tree_mask [T, T]");
-  if (dims[4].size() != 0 && !(dims[4].size() == 1 && dims[4][0] == 1)) return Error("expected a scalar prefix_len");
+  const bool one_mask = batch == 1 && dims[3].size() == 2;  // a single sequence's [T, T]
+  if (!one_mask && !(dims[3].size() == 3 && dims[3][0] == batch))
+    return Error("expected tree_mask [B, T, T] (or [T, T] for one sequence)");
+  if (dims[3][dims[3].size() - 1] != t || dims[3][dims[3].size() - 2] != t) return Error("tree_mask's rows must be T");
+  const bool one_prefix = batch == 1 && (dims[4].size() == 0 || (dims[4].size() == 1 && dims[4][0] == 1));
+  if (!one_prefix && !(dims[4].size() == 1 && dims[4][0] == batch))
+    return Error("expected prefix_len [B] (or a scalar for one sequence)");
 
   void* data[5];
   for (int i = 0; i < 5; ++i)
@@ -121,8 +128,9 @@ OrtStatus* Compute(const Kernel& kernel, OrtKernelContext* ctx) {
   const float* k = static_cast<const float*>(data[1]);
   const float* v = static_cast<const float*>(data[2]);
   const bool* mask = static_cast<const bool*>(data[3]);
-  const int64_t prefix = *static_cast<const int64_t*>(data[4]);
-  if (prefix < 0 || prefix + t > len) return Error("prefix_len + T must fit in the cache's L rows");
+  const int64_t* prefix = static_cast<const int64_t*>(data[4]);
+  for (int64_t b = 0; b < batch; ++b)
+    if (prefix[b] < 0 || prefix[b] + t > len) return Error("prefix_len + T must fit in the cache's L rows");
 
   OrtValue* out_value = nullptr;
   if (OrtStatus* s = g_api->KernelContext_GetOutput(ctx, 0, dims[0].data(), dims[0].size(), &out_value)) return s;
@@ -131,26 +139,34 @@ OrtStatus* Compute(const Kernel& kernel, OrtKernelContext* ctx) {
   float* out = static_cast<float*>(out_data);
 
   const int64_t groups = heads / kv_heads;
-  std::vector<std::vector<int64_t>> rows(t);  // the cache rows query row r sees: the prefix, then its tree rows
-  for (int64_t r = 0; r < t; ++r) {
-    for (int64_t j = 0; j < prefix; ++j) rows[r].push_back(j);
-    for (int64_t i = 0; i < t; ++i)
-      if (mask[r * t + i]) rows[r].push_back(prefix + i);
-  }
-  auto heads_from_to = [&](int64_t h0, int64_t h1) {
+  // the cache rows query row r of sequence b sees (rows[b * t + r]): its prefix, then its tree rows
+  std::vector<std::vector<int64_t>> rows(batch * t);
+  int64_t work = 0;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t r = 0; r < t; ++r) {
+      std::vector<int64_t>& seen = rows[b * t + r];
+      for (int64_t j = 0; j < prefix[b]; ++j) seen.push_back(j);
+      for (int64_t i = 0; i < t; ++i)
+        if (mask[(b * t + r) * t + i]) seen.push_back(prefix[b] + i);
+      work += static_cast<int64_t>(seen.size()) * heads * d;
+    }
+  // (sequence, head) pairs n = b * heads + h, split over threads
+  auto pairs_from_to = [&](int64_t n0, int64_t n1) {
     std::vector<float> scores;
-    for (int64_t h = h0; h < h1; ++h)
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t b = n / heads, h = n % heads;
+      const int64_t kv = (b * kv_heads + h / groups) * len * d;
       for (int64_t r = 0; r < t; ++r)
-        AttendRow(q + (h * t + r) * d, k + (h / groups) * len * d, v + (h / groups) * len * d, rows[r], d,
-                  kernel.scale, &scores, out + (h * t + r) * d);
+        AttendRow(q + (n * t + r) * d, k + kv, v + kv, rows[b * t + r], d, kernel.scale, &scores, out + (n * t + r) * d);
+    }
   };
-  // Heads split over threads when there is enough work to pay for starting them (~1M multiply-adds each).
-  const int64_t work = heads * t * (prefix + t) * d;
-  const int64_t threads = std::min<int64_t>({heads, std::max(1u, std::thread::hardware_concurrency()),
+  // Threads when there is enough work to pay for starting them (~1M multiply-adds each).
+  const int64_t total = batch * heads;
+  const int64_t threads = std::min<int64_t>({total, std::max(1u, std::thread::hardware_concurrency()),
                                              std::max<int64_t>(1, work >> 20)});
   std::vector<std::thread> pool;
-  for (int64_t n = 1; n < threads; ++n) pool.emplace_back(heads_from_to, heads * n / threads, heads * (n + 1) / threads);
-  heads_from_to(0, heads / threads);
+  for (int64_t n = 1; n < threads; ++n) pool.emplace_back(pairs_from_to, total * n / threads, total * (n + 1) / threads);
+  pairs_from_to(0, total / threads);
   for (auto& th : pool) th.join();
   return nullptr;
 }

@@ -2,7 +2,8 @@
 
 Every attention of the target and a GLANCE drafter is a single `glance.TreeAttention` node (domain
 `glance`, version 1, attribute `scale`; inputs q [1, H, T, D], k, v [1, KVH, L, D], tree_mask [T, T]
-bool, prefix_len [] int64). An EAGLE-3 head's context and depth graphs attend its own cache through a
+bool, prefix_len [] int64; in batched graphs q [S, H, T, D], k, v [S, KVH, L, D], tree_mask [S, T, T],
+prefix_len [S]). An EAGLE-3 head's context and depth graphs attend its own cache through a
 [T, L] boolean mask in standard ops, as the head does in every backend (a depth pass sees rows that
 earlier depth passes wrote, which the node's [T, T] mask over the rows a pass writes cannot say).
 Flavors:
@@ -19,8 +20,14 @@ Verify graphs: one per tree bucket (`verify-{T}`), or with `dynamic_rows` ONE `v
 dimension is symbolic (`rows`): it serves every bucket of two rows or more (its manifest entry lists
 them; a TensorRT build makes it one engine with an optimization profile per bucket). The one-row AR
 step keeps its own graph: exporters specialise a dimension of size 1.
+
+Batched graphs (a cache of several slots: `build-engine --max-batch`): `verify_batch`, `verify_batch-1`
+and `draft_batch`, each ONE graph whose slot dimension is symbolic (`slots`; verify_batch's rows too),
+over the cache of every slot ([1, KVH, slots * L, D]); their written rows come back as [1, KVH, S, n, D]
+(`merge_buckets`).
 """
 
+from itertools import product
 from pathlib import Path
 
 import torch
@@ -43,6 +50,7 @@ from glance_rt.round.verify import MIN_PREFILL_ROWS, example_inputs, static_grap
 
 FLAVORS = ("portable", "plugin")
 ROWS = "rows"  # the symbolic row dimension of a verify graph exported for any tree size
+SLOTS = "slots"  # the symbolic sequence dimension of a batched graph exported for any batch bucket
 DOMAIN, VERSION = "glance", 1
 _SCHEMA = []
 
@@ -112,7 +120,7 @@ def _translation():
 
 def graph_caches(graphs, name: str) -> list:
     """The KVCache modules a graph reads and writes (an EAGLE-3 head's passes: the head's own)."""
-    drafting = name in ("draft", "context") or name.startswith("eagle3_")
+    drafting = name in ("draft", "context", "draft_batch") or name.startswith("eagle3_")
     return [graphs.draft_pass.cache] if drafting else [graphs.verifier.cache]
 
 
@@ -124,7 +132,8 @@ class _Graph(nn.Module):
         self.graphs, self.name, self.n_inputs, self.any_rows = graphs, name, n_inputs, any_rows
 
     def written(self, args) -> torch.Tensor:
-        """The cache rows the graph's `new_*` outputs hold. The draft pass writes its context rows
+        """The cache rows the graph's `new_*` outputs hold ([n], or [S, n] for a batched graph: slot s's rows,
+        offset by s * max_len into the cache of all slots). The draft pass writes its context rows
         [ctx_start, ctx_start + R) then its block [block_start, block_start + B), block_start <=
         ctx_start + R: the fixed window [ctx_start, ctx_start + R + B), clamped to the cache."""
         dev = args[0].device  # where the runtime keeps its caches (a CUDA engine computes the rows there)
@@ -132,9 +141,15 @@ class _Graph(nn.Module):
             return args[2] + torch.arange(args[0].shape[1], device=dev)
         if self.name == "verify":
             return args[2] + torch.arange(args[0].shape[0], device=dev)
+        b, last = self.graphs.block_size, self.graphs.max_len - 1
+        window = torch.arange(self.graphs.ctx_rows + b, device=dev)
         if self.name == "draft":
-            b, last = self.graphs.draft_pass.block_size, self.graphs.max_len - 1
-            return (args[1] + torch.arange(self.graphs.ctx_rows + b, device=dev)).clamp(max=last)
+            return (args[1] + window).clamp(max=last)
+        if self.name in ("verify_batch", "draft_batch"):  # args[2] / args[1]: each slot's start [S]
+            start, rows = (args[2], torch.arange(args[0].shape[1], device=dev)) if self.name == "verify_batch" \
+                else (args[1], window)
+            base = torch.arange(start.shape[0], device=dev)[:, None] * self.graphs.max_len  # [S, 1]
+            return (start[:, None] + rows).clamp(max=last) + base  # [S, n]
         if self.name == "eagle3_context":  # its rows' positions (a short chunk repeats its last row)
             return args[2]
         if self.name == "eagle3_depth":  # the scratch rows its k rows write
@@ -154,16 +169,19 @@ class _Graph(nn.Module):
         out = fn(*args, any_rows=True) if self.any_rows else fn(*args)
         out = out if isinstance(out, tuple) else (out,)
         rows = self.written(args)
-        return (*out, *(t.index_select(2, rows) for t in kv))
+        return (*out, *(t.index_select(2, rows.flatten()).unflatten(2, rows.shape) for t in kv))  # [1, KVH, *rows, D]
 
 
 def _names(graphs, name: str, args) -> tuple[list[str], list[str]]:
     ins = {"prefill": ["embeds", "positions", "start", "last"],
            "verify": ["tokens", "positions", "start", "tree_mask", "parent"],
+           "verify_batch": ["tokens", "positions", "starts", "tree_masks", "parents"],
+           "draft_batch": ["ctx", "ctx_start", "bonus", "block_start"],
            "draft": ["ctx", "ctx_start", "bonus", "block_start"],
            "context": ["ctx", "ctx_start"], "eagle3_context": ["features", "tokens", "positions"],
            "eagle3_depth": ["tokens", "states", "positions", "rows", "visible"]}[name]
     outs = {"prefill": ["logits", "features"], "verify": ["logits", "features", "greedy", "path"],
+            "verify_batch": ["logits", "features", "greedy", "paths"], "draft_batch": ["draft_logits"],
             "draft": ["draft_logits"], "context": ["done"], "eagle3_context": ["state", "log_probs"],
             "eagle3_depth": ["states_out", "log_probs"]}[name]
     kv_in, kv_out = [], []
@@ -174,35 +192,49 @@ def _names(graphs, name: str, args) -> tuple[list[str], list[str]]:
     return ins + kv_in, outs + kv_out
 
 
-def concrete(shape: list, rows: int | None) -> list[int]:
-    """A manifest shape with its symbolic row dimension (a dynamic-rows verify graph's) set to `rows`."""
-    return [rows if isinstance(d, str) else d for d in shape]
+def concrete(shape: list, dims: dict | None) -> list[int]:
+    """A manifest shape with its symbolic dimensions (`ROWS`, `SLOTS`) set to `dims`' values."""
+    if any(isinstance(d, str) and d not in (dims or {}) for d in shape):
+        raise GlanceError(f"shape {shape} has a symbolic dimension that {dims} does not set: rebuild the engine "
+                          "with this glance-rt")
+    return [dims[d] if isinstance(d, str) else d for d in shape]
+
+
+def served(info: dict) -> list[dict]:
+    """The buckets a graph's runners are bound at: {SLOTS: s, ROWS: t} for every slot count and row count its
+    manifest entry lists (a graph exported for several: one per pair), or [{}] for a graph of fixed shapes."""
+    axes = [(axis, info[axis]) for axis in (SLOTS, ROWS) if axis in info]
+    return [dict(zip([a for a, _ in axes], values, strict=True)) for values in product(*(v for _, v in axes))]
 
 
 def exported_runners(manifest: dict, graphs, make) -> dict:
-    """The callables StaticPasses runs for an engine of exported graphs: `make(info, name, bufs, rows)`
-    -> one graph's runner (`bufs`: the cache buffers it reads, in its input order; `rows`: the row count
-    it runs a dynamic-rows graph at, else None); the graphs built per row count (verify: one per
-    tree-budget bucket, or one dynamic-rows graph run at each; an EAGLE-3 head's depth passes: one per
-    beam width) picked by their row count."""
+    """The callables StaticPasses runs for an engine of exported graphs: `make(info, name, bufs, dims)`
+    -> one graph's runner (`bufs`: the cache buffers it reads, in its input order; `dims`: the bucket
+    it runs a graph exported for several at (`served`), {} for fixed shapes); the graphs built per
+    bucket picked by their inputs' shapes: verify by its row count (one per tree-budget bucket, or one
+    graph run at each), an EAGLE-3 head's depth passes by beam width, the batched passes by slots (and
+    rows)."""
     from glance_rt.round.verify import by_rows
 
-    fns, buckets = {}, {"verify": {}, "eagle3_depth": {}}
+    fns, buckets = {}, {"verify": {}, "eagle3_depth": {}, "verify_batch": {}, "draft_batch": {}}
     for key, info in manifest["graphs"].items():
         name = key.split("-")[0]
         bufs = [b for cache in graph_caches(graphs, name) for b in cache.buffers()]
-        if "rows" in info:  # one graph, any row count: a runner per bucket it serves
-            for t in info["rows"]:
-                buckets[name][t] = make(info, name, bufs, t)
-            continue
-        run = make(info, name, bufs, None)
-        if name in buckets:
-            buckets[name][int(key.split("-")[1])] = run
-        else:
-            fns[name] = run
+        for dims in served(info):
+            run = make(info, name, bufs, dims)
+            if name in ("verify_batch", "draft_batch"):
+                buckets[name][(dims[SLOTS], dims[ROWS]) if name == "verify_batch" else dims[SLOTS]] = run
+            elif name in buckets:
+                buckets[name][dims.get(ROWS) or int(key.split("-")[1])] = run
+            else:
+                fns[name] = run
     fns["verify"] = by_rows(buckets["verify"])
     if buckets["eagle3_depth"]:
         fns["eagle3_depth"] = by_rows(buckets["eagle3_depth"], "EAGLE-3 depth")
+    if buckets["verify_batch"]:
+        fns["verify_batch"] = by_rows(buckets["verify_batch"], "batched verify", dims=2)
+    if buckets["draft_batch"]:
+        fns["draft_batch"] = by_rows(buckets["draft_batch"], "batched draft")
     return fns
 
 
@@ -211,29 +243,64 @@ def written_rows(graphs, name: str, args) -> torch.Tensor:
     return _Graph(graphs, name, 0).written(args)
 
 
-def dynamic_verify(jobs: dict) -> tuple[dict, list[int]]:
-    """`jobs` with its verify buckets of MIN_PREFILL_ROWS rows or more replaced by one `verify` job (the
-    largest's example inputs), and the row counts it serves ([] where fewer than two such buckets)."""
-    rows = sorted(int(k.split("-")[1]) for k in jobs if k.startswith("verify-"))
-    rows = [t for t in rows if t >= MIN_PREFILL_ROWS]
-    if len(rows) < 2:
-        return jobs, []
-    merged = {}
+def write_back(bufs: list, rows: torch.Tensor, new: list) -> None:
+    """A graph's written rows `new` ([1, KVH, *rows.shape, D] each) into its caches `bufs` at `rows`."""
+    for b, n in zip(bufs, new, strict=True):
+        b.index_copy_(2, rows.flatten(), n.flatten(2, -2))
+
+
+def merge_buckets(jobs: dict, dynamic_rows: bool) -> tuple[dict, dict]:
+    """`jobs` with graphs built per bucket merged into one graph each, exported with symbolic dimensions
+    (the largest bucket's example inputs) -> (jobs, {merged key: {axis: the values it serves}}):
+    - `dynamic_rows`: the verify buckets of MIN_PREFILL_ROWS rows or more -> `verify` (ROWS), where two or
+      more (the one-row AR step keeps `verify-1`: exporters specialise a dimension of size 1);
+    - batched graphs (a cache of several slots), always: `verify_batch-{S}x{T}` -> `verify_batch` (SLOTS
+      and ROWS, T >= MIN_PREFILL_ROWS) and `verify_batch-1` (SLOTS: batched AR steps), `draft_batch-{S}`
+      -> `draft_batch` (SLOTS). An axis with one value stays fixed (listed all the same)."""
+    groups = {}  # merged key -> {bucket key: (slots, rows)}
+    for key in jobs:
+        name, _, tail = key.partition("-")
+        if name == "verify" and dynamic_rows and int(tail) >= MIN_PREFILL_ROWS:
+            groups.setdefault("verify", {})[key] = (None, int(tail))
+        elif name == "verify_batch":
+            slots, rows = (int(x) for x in tail.split("x"))
+            groups.setdefault("verify_batch" if rows >= MIN_PREFILL_ROWS else "verify_batch-1", {})[key] = (slots, rows)
+        elif name == "draft_batch":
+            groups.setdefault("draft_batch", {})[key] = (int(tail), None)
+    if len(groups.get("verify", {})) < 2:
+        groups.pop("verify", None)
+    merged, info = {}, {}
     for key, args in jobs.items():
-        if key == f"verify-{rows[-1]}":
-            merged["verify"] = args
-        elif not (key.startswith("verify-") and int(key.split("-")[1]) in rows):
+        group = next((g for g, members in groups.items() if key in members), None)
+        if group is None:
             merged[key] = args
-    return merged, rows
+            continue
+        members = groups[group]
+        axes = {axis: sorted({m[i] for m in members.values()}) for i, axis in enumerate((SLOTS, ROWS))
+                if next(iter(members.values()))[i] is not None}
+        if members[key] == tuple(max(axes[a]) if a in axes else None for a in (SLOTS, ROWS)):  # the largest
+            merged[group], info[group] = args, axes
+    return merged, info
 
 
-def _row_dims(args, n_kv: int, most: int) -> tuple:
-    """torch.export's dynamic_shapes for a verify graph's inputs: tokens [T], positions [.., T], start,
-    tree_mask [T, T], parent [T] (T symbolic), then the caches."""
+AXES = {  # each input's dimensions that are a graph's slots or rows (positions: counted from its last)
+    "verify": lambda p: ({0: ROWS}, {p - 1: ROWS}, {}, {0: ROWS, 1: ROWS}, {0: ROWS}),
+    "verify_batch": lambda p: ({0: SLOTS, 1: ROWS}, {p - 2: SLOTS, p - 1: ROWS}, {0: SLOTS},
+                               {0: SLOTS, 1: ROWS, 2: ROWS}, {0: SLOTS, 1: ROWS}),
+    "draft_batch": lambda p: ({0: SLOTS}, {0: SLOTS}, {0: SLOTS}, {0: SLOTS}),
+}
+
+
+def _dynamic_shapes(name: str, args, n_kv: int, axes: dict) -> tuple | None:
+    """torch.export's dynamic_shapes for a merged graph: its axes with more than one value symbolic (a Dim
+    over the values' range), the caches fixed; None where nothing is symbolic."""
     from torch.export import Dim
 
-    t = Dim(ROWS, min=MIN_PREFILL_ROWS, max=most)
-    return (({0: t}, {args[1].dim() - 1: t}, None, {0: t, 1: t}, {0: t}, *[None] * n_kv),)
+    dims = {a: Dim(a, min=min(v), max=max(v)) for a, v in axes.items() if len(v) > 1}
+    if not dims:
+        return None
+    per_arg = AXES[name](args[1].dim())
+    return (tuple({i: dims[a] for i, a in spec.items() if a in dims} or None for spec in per_arg) + (None,) * n_kv,)
 
 
 def _dims(value_info) -> list:
@@ -251,7 +318,8 @@ def export_onnx(graphs, out, budgets, chain: bool, chunk: int, flavor: str = "po
     """Export every graph of `graphs` (StaticGraphs of a target + drafter) into `out` (resumable:
     finished graphs are kept; each is written to a temporary name, checked, then renamed); then their
     weights are moved into one shared data file (`glance_rt.export.weights`). `dynamic_rows`: the tree
-    buckets' verify graphs as one graph with a symbolic row dimension (`dynamic_verify`)."""
+    buckets' verify graphs as one graph with a symbolic row dimension (`merge_buckets`; batched graphs are
+    merged so whatever it says)."""
     require("onnx", "onnx", "onnxscript")
     import onnx
     from tqdm import tqdm
@@ -262,7 +330,7 @@ def export_onnx(graphs, out, budgets, chain: bool, chunk: int, flavor: str = "po
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     jobs = example_inputs(graphs, static_shapes(graphs, chunk), budgets, chain)
-    jobs, rows = dynamic_verify(jobs) if dynamic_rows else (jobs, [])
+    jobs, axes = merge_buckets(jobs, dynamic_rows)
     table, info = _translation(), {}
     bar = tqdm(jobs.items(), desc="onnx graphs", unit="graph", disable=not progress)
     for key, args in bar:
@@ -278,9 +346,10 @@ def export_onnx(graphs, out, budgets, chain: bool, chunk: int, flavor: str = "po
                 for n in bufs:
                     delattr(c, n)
             try:
-                dims = _row_dims(args, len(kv), rows[-1]) if key == "verify" else None
+                dims = _dynamic_shapes(name, args, len(kv), axes[key]) if key in axes else None
+                any_rows = len(axes.get(key, {}).get(ROWS, ())) > 1  # traced for any T: its path R long
                 with torch.no_grad():
-                    prog = torch.onnx.export(_Graph(graphs, name, len(args), key == "verify"), (*args, *kv),
+                    prog = torch.onnx.export(_Graph(graphs, name, len(args), any_rows), (*args, *kv),
                                              dynamo=True, dynamic_shapes=dims, custom_translation_table=table,
                                              input_names=ins, output_names=outs, opset_version=opset, optimize=True,
                                              verbose=False)
@@ -305,7 +374,7 @@ def export_onnx(graphs, out, budgets, chain: bool, chunk: int, flavor: str = "po
                      "outputs": [[o.name, _dims(o), _dtype(o)] for o in model.graph.output],
                      "tree_attention_nodes": sum(n.op_type == "TreeAttention" and n.domain == DOMAIN
                                                  for n in model.graph.node),
-                     **({"rows": rows} if key == "verify" else {})}
+                     **axes.get(key, {})}
     share_weights(out, [i["file"] for i in info.values()])  # one copy of the weights for every graph
     (out / "GRAPHS.md").write_text("# ONNX graphs\n\n" + describe_graphs(info))
     return info
@@ -319,7 +388,7 @@ def export_model(target, drafter, out, flavor: str = "portable", opset: int = 20
     """`glance-rt export`: ONNX graphs of `target` (+ `drafter`) and their manifest, in `out`;
     `image_sizes`: (W, H) image buckets to export a VLM's vision graphs for; `lookup_budget` > 0:
     the verify graph of lookup rounds of that many rows too (`lookup_buckets`); `dynamic_rows`: one
-    verify graph for the tree buckets (`dynamic_verify`; False: a graph per bucket)."""
+    verify graph for the tree buckets (`merge_buckets`; False: a graph per bucket)."""
     tree_budgets = graph_budgets(drafter, budgets, max_len, chunk)
     budgets = lookup_buckets(drafter, chain, tree_budgets, lookup_budget)
     out = Path(out)

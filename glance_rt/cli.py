@@ -621,8 +621,9 @@ def _engine_decoder(method: Method, target_path, drafter_path, max_batch: int | 
 @click.option("--exact", is_flag=True, help="aoti: the decode graphs in exact numerics (verify rows with the AR "
               "step's bits; `generate --engine` then runs them so).")
 @click.option("--max-batch", default=1, show_default=True, type=int,
-              help="aoti: sequences the engine decodes at once (batched verify and draft graphs per batch bucket, "
-                   "for `serve` and glance_rt.Batch); a cache slot of --max-length rows each.")
+              help="aoti, onnxruntime: sequences the engine decodes at once (batched verify and draft graphs: aoti "
+                   "a package per batch bucket, onnxruntime one graph each with symbolic slots; for `serve` and "
+                   "glance_rt.Batch); a cache slot of --max-length rows each.")
 @click.option("--mapped-weights", is_flag=True,
               help="onnxruntime: every session reads one memory map of the engine's weights file (one copy in "
                    "memory, shared with the page cache) instead of each prepacking its own copy (faster GEMMs).")

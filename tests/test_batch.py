@@ -163,8 +163,11 @@ def test_batched_decoding_refuses_what_it_cannot_run():
         glance_rt.Decoder(target, glance_rt.init_eagle3(target, seed=0), max_batch=2)
     from glance_rt.engines.engine import build_engine
 
-    with pytest.raises(glance_rt.GlanceError, match="batched engines are built with --backend aoti"):
-        build_engine(target, drafter, "/tmp/never-built", backend="onnxruntime", max_batch=2)
+    with pytest.raises(glance_rt.GlanceError, match="batched engines are built with --backend aoti or onnxruntime"):
+        build_engine(target, drafter, "/tmp/never-built", backend="tensorrt", max_batch=2)
+    with pytest.raises(glance_rt.GlanceError, match="EAGLE-3 heads"):
+        build_engine(target, glance_rt.init_eagle3(target, seed=0), "/tmp/never-built", backend="onnxruntime",
+                     max_batch=2)
     with pytest.raises(glance_rt.GlanceError, match="device_round"):
         glance_rt.Decoder(target, drafter, backend="compile", max_batch=2, device_round=True)
 
@@ -204,9 +207,9 @@ def test_static_batched_passes_attend_in_one_op_call_per_layer():
     slots, t, head_dim = 3, 5, cfg.hidden_size // cfg.num_attention_heads
     masks = torch.ones(slots, t, t, dtype=torch.bool).tril()
     starts = torch.tensor([9, 20, 4])
-    positions = (starts[:, None] + torch.arange(t)).reshape(1, -1)
+    positions = (starts[:, None] + torch.arange(t))[None]  # [1, S, T]
     torch.compile(graphs.verify_batch, backend=backend, fullgraph=True)(
-        torch.arange(slots * t), positions, starts, masks, torch.arange(-1, t - 1).repeat(slots, 1))
+        torch.arange(slots * t).view(slots, t), positions, starts, masks, torch.arange(-1, t - 1).repeat(slots, 1))
     assert shapes == [(slots, cfg.num_attention_heads, t, head_dim)] * cfg.num_hidden_layers
     shapes.clear()
     r, width = graphs.ctx_rows, len(drafter.target_layer_ids) * cfg.hidden_size
@@ -327,6 +330,39 @@ def test_an_aoti_engine_built_for_batches_decodes_them(tmp_path):
         assert res.token_ids == hf_greedy(model, r, n)
     with pytest.raises(glance_rt.GlanceError, match="built for batches of 2"):
         glance_rt.Decoder.from_engine(out, target, drafter, max_batch=1)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_an_onnxruntime_engine_built_for_batches_decodes_them(arch, tmp_path):
+    """`build-engine --backend onnxruntime --max-batch 3`: the batched passes are three ONNX graphs whose
+    slots (and rows) are symbolic, `verify_batch` (every (slots, rows) bucket), `verify_batch-1` (batched
+    AR steps) and `draft_batch`, each one session bound once per bucket; a Batch over the engine gives
+    every sequence HF greedy's tokens (a VLM's images and M-RoPE positions included); an engine without a
+    drafter batches its AR steps through `verify_batch-1`."""
+    from glance_rt.engines.engine import build_engine
+
+    target, model, processor = tiny_target(arch)
+    drafter = glance_rt.init_drafter(target, block_size=4, seed=1)
+    prompts = requests(arch, processor)
+    reqs = [dict(r, max_new_tokens=n) for r, n in zip(prompts, NEW, strict=True)]
+    out = build_engine(target, drafter, tmp_path / "e", backend="onnxruntime", budgets=(0, 4, 6), max_len=128,
+                       chunk=8, progress=False, max_batch=3)
+    graphs = json.loads((out / "manifest.json").read_text())["graphs"]
+    assert {k: (g.get("slots"), g.get("rows")) for k, g in graphs.items() if "_batch" in k} == {
+        "verify_batch": ([2, 3], [5, 7]), "verify_batch-1": ([2, 3], [1]), "draft_batch": ([2, 3], None)}
+    assert graphs["verify_batch"]["inputs"][0][1] == ["slots", "rows"]
+    dec = glance_rt.Decoder.from_engine(out, target, drafter, gate=False)
+    assert dec.max_batch == 3 and dec.passes.batches
+    runs = dec.passes.fns["verify_batch"].buckets
+    assert set(runs) == {(s, t) for s in (2, 3) for t in (1, 5, 7)}
+    assert len({id(runs[s, t].sess) for s in (2, 3) for t in (5, 7)}) == 1  # one session for every bucket
+    want = [hf_greedy(model, r, n) for r, n in zip(prompts, NEW, strict=True)]
+    assert [res.token_ids for res in Batch(dec).run(reqs)] == want
+    if arch == "llama":
+        ar = build_engine(target, None, tmp_path / "ar", backend="onnxruntime", max_len=128, chunk=8,
+                          progress=False, max_batch=2)
+        assert [res.token_ids for res in Batch(glance_rt.Decoder.from_engine(ar, target)).run(reqs)] == want
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])

@@ -17,7 +17,9 @@ import glance_rt
 from glance_rt.cli import main
 from glance_rt.engines import ort_plugin
 from glance_rt.engines.engine import build_engine
+from glance_rt.export.onnx import tree_attention_function
 from glance_rt.models.attention import tree_attention
+from glance_rt.round.batch import Batch
 from tests.conftest import hf_greedy, tiny_target
 from tests.test_attention import random_tree_mask
 from tests.test_cli import model_folder
@@ -70,6 +72,34 @@ def test_kernel_matches_the_torch_op(library, heads, kv_heads, t, prefix, tail):
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("flavor", ["portable", "plugin"])
+@pytest.mark.parametrize("heads,kv_heads,t", [(4, 2, 5), (6, 6, 1), (9, 3, 9)])
+def test_the_op_over_a_batch_equals_each_sequence_alone(request, flavor, heads, kv_heads, t):
+    """glance.TreeAttention's batched form (q [B, H, T, D], k, v [B, KVH, L, D], tree_mask [B, T, T],
+    prefix_len [B]: what batched engines' graphs call), as the portable flavor's ONNX function and as the
+    plugin's kernel, == the torch op on each sequence alone (its own tree, prefix and cache tail)."""
+    model = one_node_model(0.25)
+    so = ort.SessionOptions()
+    if flavor == "plugin":
+        so.register_custom_ops_library(str(request.getfixturevalue("library")))
+    else:
+        model.functions.append(tree_attention_function(20))
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    gen = torch.Generator().manual_seed(heads + t)
+    batch, d, kv_len = 3, 16, 40
+    q = torch.randn(batch, heads, t, d, generator=gen)
+    k, v = (torch.randn(batch, kv_heads, kv_len, d, generator=gen) for _ in range(2))
+    prefix = torch.tensor([0, 17, kv_len - t])
+    masks = torch.stack([random_tree_mask(t, gen) for _ in range(batch)])
+    for b in range(batch):
+        k[b, :, prefix[b] + t :] = 1e4  # each sequence's own static tail must be invisible to it
+    (got,) = sess.run(None, {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "tree_mask": masks.numpy(),
+                             "prefix_len": prefix.numpy()})
+    for b in range(batch):
+        want = tree_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], masks[b], prefix[b], 0.25)
+        np.testing.assert_allclose(got[b : b + 1], want.numpy(), rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_reports_bad_input(library):
     so = ort.SessionOptions()
     so.register_custom_ops_library(str(library))
@@ -81,21 +111,37 @@ def test_kernel_reports_bad_input(library):
     feed.update(prefix_len=np.array(2, np.int64), q=np.zeros((1, 3, 3, 8), np.float32))
     with pytest.raises(Exception, match="multiple of KV heads"):
         sess.run(None, feed)
+    q, k = np.zeros((2, 4, 3, 8), np.float32), np.zeros((2, 2, 5, 8), np.float32)  # a batch of two sequences
+    feed = {"q": q, "k": k, "v": k, "tree_mask": np.ones((3, 3), bool), "prefix_len": np.array([1, 2], np.int64)}
+    with pytest.raises(Exception, match="expected tree_mask \\[B, T, T\\]"):
+        sess.run(None, feed)
+    feed.update(tree_mask=np.ones((2, 3, 3), bool), prefix_len=np.array(1, np.int64))
+    with pytest.raises(Exception, match="expected prefix_len \\[B\\]"):
+        sess.run(None, feed)
 
 
-def test_plugin_engine_is_lossless(library, tmp_path):
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_plugin_engine_is_lossless(library, tmp_path, max_batch):
+    """A plugin-flavor engine's tokens == HF greedy, one sequence at a time and (--max-batch 2: the batched
+    graphs' nodes through the kernel's batched form) two decoded together."""
     target, model, tok = tiny_target("qwen3")
     drafter = glance_rt.init_drafter(target, num_layers=2, block_size=4, seed=1)
     build_engine(target, drafter, tmp_path / "e", backend="onnxruntime", budgets=(6,), max_len=128, chunk=8,
-                 progress=False, flavor="plugin", ort_include=ort_plugin.find_header())
+                 progress=False, flavor="plugin", ort_include=ort_plugin.find_header(), max_batch=max_batch)
     m = json.loads((tmp_path / "e" / "manifest.json").read_text())
     assert m["flavor"] == "plugin" and m["plugin_library"]["source_sha256"] == ort_plugin.source_hash()
     graph = onnx.load(str(tmp_path / "e" / m["graphs"]["verify-7"]["file"]), load_external_data=False)
     assert not graph.functions  # ONNX Runtime ran the glance nodes through the library, not a function body
     assert sum(n.domain == "glance" for n in graph.graph.node) == target.text_config.num_hidden_layers
     dec = glance_rt.Decoder.from_engine(tmp_path / "e", target, drafter)
-    for prompt in ("Hello there.", "A longer prompt, so that the prefill takes several chunks of eight rows."):
-        inputs = make_inputs("qwen3", tok, prompt=prompt)
+    prompts = [make_inputs("qwen3", tok, prompt=p) for p in
+               ("Hello there.", "A longer prompt, so that the prefill takes several chunks of eight rows.")]
+    if max_batch > 1:
+        batched = onnx.load(str(tmp_path / "e" / m["graphs"]["verify_batch"]["file"]), load_external_data=False)
+        assert not batched.functions
+        results = Batch(dec).run([dict(inputs, max_new_tokens=16) for inputs in prompts])
+        assert [r.token_ids for r in results] == [hf_greedy(model, inputs, 16) for inputs in prompts]
+    for inputs in prompts:
         assert dec.generate(max_new_tokens=16, **inputs).token_ids == hf_greedy(model, inputs, 16)
 
 

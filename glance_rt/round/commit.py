@@ -60,19 +60,19 @@ def compact(cache, path: list[int], start: int, slot: int = 0) -> None:
 
 def accept_path(parent, tokens, greedy, depth: int):
     """`accept` on tensors with a fixed number of steps (no host sync, so it can run inside a
-    compiled graph or CUDA graph). parent, tokens, greedy [T] int64 -> path [depth+1] int64: the
-    accepted rows, root first, then -1 after the last accepted row. Among equal siblings the
-    lowest row wins, as in `Tree.children`."""
-    t = tokens.shape[0]
+    compiled graph or CUDA graph). parent, tokens, greedy [..., T] int64 (one tree, or a batch of
+    trees [S, T]) -> path [..., depth+1] int64: the accepted rows, root first, then -1 after the last
+    accepted row. Among equal siblings the lowest row wins, as in `Tree.children`."""
+    t = tokens.shape[-1]
     rows = torch.arange(t, device=tokens.device)
-    cur = torch.zeros((), dtype=torch.long, device=tokens.device)
-    alive = torch.ones((), dtype=torch.bool, device=tokens.device)
+    cur = torch.zeros(*tokens.shape[:-1], 1, dtype=torch.long, device=tokens.device)  # [..., 1]
+    alive = torch.ones_like(cur, dtype=torch.bool)
     out = [cur]
     for _ in range(depth):
-        want = greedy.index_select(0, cur.view(1))  # [1]: the target's token after row cur
-        match = (parent == cur) & (tokens == want)  # [T]: children of cur carrying it
-        alive = alive & match.any()
-        nxt = torch.where(match, rows, t).min()
+        want = greedy.gather(-1, cur)  # [..., 1]: the target's token after row cur
+        match = (parent == cur) & (tokens == want)  # [..., T]: children of cur carrying it
+        alive = alive & match.any(-1, keepdim=True)
+        nxt = torch.where(match, rows, t).amin(-1, keepdim=True)
         cur = torch.where(alive, nxt, cur)
         out.append(torch.where(alive, nxt, -1))
-    return torch.stack(out)
+    return torch.cat(out, -1)

@@ -20,7 +20,7 @@ from glance_rt.models.drafter import GlanceDrafter, rope, rope_tables
 from glance_rt.models.kernels import KernelPlan, class_index, nearest_class, with_plan
 from glance_rt.models.kv_cache import KVCache
 from glance_rt.models.linear import swap_linears
-from glance_rt.models.target import Segment, attend_pass, layout
+from glance_rt.models.target import Segment, SlotBatch, attend_pass, layout
 
 
 class DraftPass(nn.Module):
@@ -80,9 +80,14 @@ class DraftPass(nn.Module):
                                                                                strict=True)}
 
     def block_embeds(self, bonus: Tensor) -> Tensor:
-        x = self.embed_tokens(torch.cat([bonus.view(1), self.block_ids[1:]]))[None]  # [1, B, H]
+        """The blocks [b, M, ..., M] of bonus tokens [n] (or one, []) -> [1, n*B, H], block after block."""
+        bonus = bonus.reshape(-1, 1)  # [n, 1]
+        ids = torch.cat([bonus, self.block_ids[1:].expand(bonus.shape[0], -1)], 1)  # [n, B]
+        x = self.embed_tokens(ids.reshape(1, -1))  # [1, n*B, H]
         if self.drafter.config.learned_mask:
-            x = torch.cat([x[:, :1], self.drafter.mask_embedding.expand(1, self.block_size - 1, -1)], 1)
+            x = x.unflatten(1, (-1, self.block_size))  # [1, n, B, H]
+            mask = self.drafter.mask_embedding.expand(1, x.shape[1], self.block_size - 1, -1)
+            x = torch.cat([x[:, :, :1], mask], 2).flatten(1, 2)
         return x
 
     def context(self, ctx_feats: Tensor, ctx_start: Tensor, slot: int = 0) -> None:
@@ -93,15 +98,25 @@ class DraftPass(nn.Module):
     def contexts(self, items: tuple) -> None:
         """`context` for several sequences in one pass: items ((slot, ctx_feats [m_i, F], ctx_start []), ...),
         their rows projected together, each written to its own slot."""
-        feats = _cat([f for _, f, _ in items], 0)  # [m, F]
-        d = self.drafters[class_index(feats.shape[0], self.row_classes)]
-        ctx = d.context(feats)[None]  # [1, m, H]
-        rows = [start + torch.arange(f.shape[0], device=ctx.device) for _, f, start in items]  # [m_i] each
-        cos, sin = rope_tables(self.inv_freq, _cat(rows, 0), ctx.dtype, self.rope_scaling)  # [1, m, D]
-        for i in range(len(d.layers)):
-            k, v = d.context_kv(i, ctx, cos, sin)  # [1, nkv, m, D]
+        rows = [start + torch.arange(f.shape[0], device=f.device) for _, f, start in items]  # [m_i] each
+        for i, k, v in self._context_kv(_cat([f for _, f, _ in items], 0), _cat(rows, 0)):
             for (slot, _, _), r, (k_i, v_i) in zip(items, rows, _split((k, v), [len(r) for r in rows]), strict=True):
                 self.cache.write(i, r, k_i, v_i, slot)
+
+    def slot_contexts(self, ctx: Tensor, ctx_start: Tensor) -> None:
+        """`contexts` of cache slots 0..S-1, m rows each: ctx [S, m, F], ctx_start [S] (one scatter per layer;
+        no loop over the slots, so S can be symbolic)."""
+        rows = ctx_start[:, None] + torch.arange(ctx.shape[1], device=ctx.device)  # [S, m]
+        for i, k, v in self._context_kv(ctx.flatten(0, 1), rows.flatten()):
+            self.cache.write_slots(i, rows, k, v)
+
+    def _context_kv(self, feats: Tensor, rows: Tensor):
+        """Context rows feats [m, F] at token indices rows [m] -> (layer, k, v [1, nkv, m, D]) per layer."""
+        d = self.drafters[class_index(feats.shape[0], self.row_classes)]
+        ctx = d.context(feats)[None]  # [1, m, H]
+        cos, sin = rope_tables(self.inv_freq, rows, ctx.dtype, self.rope_scaling)  # [1, m, D]
+        for i in range(len(d.layers)):
+            yield i, *d.context_kv(i, ctx, cos, sin)
 
     def block(self, bonus: Tensor, block_start: Tensor, kv_len: int, slot: int = 0) -> Tensor:
         """The block [bonus, M, ..., M] at rows [block_start, block_start + B) of cache slot `slot`, seeing
@@ -114,14 +129,26 @@ class DraftPass(nn.Module):
         the op where they are slots 0..S-1 reading as many rows: `SlotBatch`) -> each one's draft logits
         [B-1, V]."""
         b = self.block_size
-        h = _cat([self.block_embeds(bonus) for _, bonus, _, _ in items], 1)  # [1, n*B, H]
-        rows = [start + torch.arange(b, device=h.device) for _, _, start, _ in items]  # [B] each
-        cos, sin = rope_tables(self.inv_freq, _cat(rows, 0), h.dtype, self.rope_scaling)  # [1, n*B, D]
-        d = self.drafter if len(items) == 1 else self.drafters[class_index(h.shape[1], self.row_classes)]
-        scale = d.config.head_dim**-0.5
-
+        rows = [start + torch.arange(b, device=self.block_ids.device) for _, _, start, _ in items]  # [B] each
         seqs = layout(tuple(Segment(slot, j * b, b, r, self.block_mask, kv_len)  # slots 0..S-1: one op call
                             for j, ((slot, *_, kv_len), r) in enumerate(zip(items, rows, strict=True))))
+        return list(self._blocks(torch.stack([bonus for _, bonus, _, _ in items]), _cat(rows, 0), seqs))
+
+    def slot_blocks(self, bonus: Tensor, block_start: Tensor, kv_len: int) -> Tensor:
+        """`blocks` of cache slots 0..S-1: bonus, block_start [S] -> draft logits [S, B-1, V] (no loop over the
+        slots, so S can be symbolic)."""
+        b = self.block_size
+        rows = block_start[:, None] + torch.arange(b, device=block_start.device)  # [S, B]
+        seqs = SlotBatch(rows, self.block_mask.expand(rows.shape[0], b, b), kv_len)
+        return self._blocks(bonus, rows.flatten(), seqs)
+
+    def _blocks(self, bonus: Tensor, rows: Tensor, seqs) -> Tensor:
+        """The blocks of bonus tokens [n] at token indices rows [n*B], their attention laid out by `seqs`
+        (`layout`) -> draft logits [n, B-1, V]."""
+        h = self.block_embeds(bonus)  # [1, n*B, H]
+        cos, sin = rope_tables(self.inv_freq, rows, h.dtype, self.rope_scaling)  # [1, n*B, D]
+        d = self.drafters[class_index(h.shape[1], self.row_classes)]  # one block: the block's drafter
+        scale = d.config.head_dim**-0.5
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # the block's rows join the cache
             return attend_pass(attend_tree, seqs, q, k, v, self.cache, i, scale)  # [1, nh, n*B, D]
@@ -129,7 +156,7 @@ class DraftPass(nn.Module):
         # all B rows through the head, then drop row 0 (a GEMM of B rows is the faster shape);
         # draft numerics never affect the output, only acceptance
         logits = self.head(d(h, cos, sin, attend))[0]  # [n*B, V or Vd]
-        return [logits[j * b + 1 : (j + 1) * b] for j in range(len(items))]  # [B-1, V] each
+        return logits.unflatten(0, (-1, self.block_size))[:, 1:]  # [n, B-1, V]
 
     def step(self, ctx_feats: Tensor, ctx_start: Tensor, bonus: Tensor, block_start: Tensor, kv_len: int) -> Tensor:
         self.context(ctx_feats, ctx_start)

@@ -26,7 +26,7 @@ from glance_rt.models.drafter import GlanceDrafter, check_compatible
 from glance_rt.models.eagle3 import Eagle3Drafter, check_target
 from glance_rt.models.exact import ExactNumerics
 from glance_rt.models.kernels import PREFILL_ROWS, KernelPlan
-from glance_rt.models.target import Segment, TargetDecoder
+from glance_rt.models.target import Segment, SlotBatch, TargetDecoder
 from glance_rt.round.commit import accept, accept_path, compact, entropies
 from glance_rt.round.device_tree import build_tree_device, lookup_tensors
 from glance_rt.round.draft import DraftPass
@@ -147,27 +147,26 @@ class StaticGraphs(nn.Module):
     def draft(self, ctx: Tensor, ctx_start: Tensor, bonus: Tensor, block_start: Tensor) -> Tensor:
         return self.draft_pass.step(ctx, ctx_start, bonus, block_start, self.max_len)
 
-    def verify_batch(self, tokens: Tensor, positions: Tensor, starts: Tensor, masks: Tensor, parents: Tensor):
-        """The verify pass of the sequences in cache slots 0..S-1 at once (S = masks.shape[0], T rows each:
-        tokens [S*T], positions [1, S*T] / [3, 1, S*T], starts [S], masks [S, T, T], parents [S, T]) ->
-        logits [S*T, V], features [S*T, F], greedy [S*T], paths [S, min(T, R)] (`verify`'s, per slot)."""
-        slots, t = masks.shape[0], masks.shape[1]
-        rows = torch.arange(t, device=tokens.device)
-        segments = tuple(Segment(i, i * t, t, starts[i] + rows, masks[i], self.max_len) for i in range(slots))
-        logits, feats = self.verifier.forward_batch(self.verifier.embed_tokens(tokens)[None], positions, segments)
-        greedy = logits.argmax(-1)  # [S*T]
-        depth = min(t, self.ctx_rows) - 1
-        paths = [accept_path(parents[i], tokens[i * t : (i + 1) * t], greedy[i * t : (i + 1) * t], depth)
-                 for i in range(slots)]
-        return logits, feats, greedy, torch.stack(paths)
+    def verify_batch(self, tokens: Tensor, positions: Tensor, starts: Tensor, masks: Tensor, parents: Tensor,
+                     any_rows: bool = False):
+        """The verify pass of the sequences in cache slots 0..S-1 at once, T rows each: tokens [S, T], positions
+        [1, S, T] / [3, 1, S, T], starts [S], masks [S, T, T], parents [S, T] -> logits [S, T, V], features
+        [S, T, F], greedy [S, T], paths [S, min(T, R)] (`verify`'s per slot; `any_rows`: R long). No loop over
+        the slots: S (and T) can be symbolic (an export's dynamic batch)."""
+        slots, t = tokens.shape
+        seqs = SlotBatch(starts[:, None] + torch.arange(t, device=tokens.device), masks, self.max_len)  # rows [S, T]
+        embeds = self.verifier.embed_tokens(tokens.reshape(1, -1))  # [1, S*T, H]
+        logits, feats = self.verifier.run(embeds, positions.flatten(-2), seqs)  # [S*T, V], [S*T, F]
+        logits, feats = logits.unflatten(0, (slots, t)), feats.unflatten(0, (slots, t))
+        greedy = logits.argmax(-1)  # [S, T]
+        depth = self.ctx_rows - 1 if any_rows else min(t, self.ctx_rows) - 1
+        return logits, feats, greedy, accept_path(parents, tokens, greedy, depth)
 
     def draft_batch(self, ctx: Tensor, ctx_start: Tensor, bonus: Tensor, block_start: Tensor) -> Tensor:
         """The draft pass of the sequences in cache slots 0..S-1 at once: ctx [S, R, F], ctx_start, bonus,
-        block_start [S] -> draft logits [S, B-1, V]."""
-        slots = ctx.shape[0]
-        self.draft_pass.contexts(tuple((i, ctx[i], ctx_start[i]) for i in range(slots)))
-        return torch.stack(self.draft_pass.blocks(tuple((i, bonus[i], block_start[i], self.max_len)
-                                                        for i in range(slots))))
+        block_start [S] -> draft logits [S, B-1, V] (no loop over the slots: S can be symbolic)."""
+        self.draft_pass.slot_contexts(ctx, ctx_start)
+        return self.draft_pass.slot_blocks(bonus, block_start, self.max_len)
 
     def context(self, ctx: Tensor, ctx_start: Tensor) -> Tensor:
         self.draft_pass.context(ctx, ctx_start)
@@ -394,13 +393,12 @@ class StaticPasses:
             positions[..., slot, :] = self._pad_rows(pos, t, pos.dim() - 1)
             masks[slot, :n, :n] = mask
             parents[slot, :n] = torch.from_numpy(tree.parent).to(dev)
-        logits, feats, greedy, paths = self.fns["verify_batch"](
-            tokens.reshape(-1), positions.reshape(*lead, -1), starts, masks, parents)
+        logits, feats, greedy, paths = self.fns["verify_batch"](tokens, positions, starts, masks, parents)
         greedy, paths = greedy.cpu().numpy(), paths.tolist()
         out = []
         for slot, (_, tok, *_) in calls:
-            rows_of = slice(slot * t, slot * t + tok.shape[0])
-            out.append((logits[rows_of], feats[rows_of], greedy[rows_of], [i for i in paths[slot] if i >= 0]))
+            n = tok.shape[0]
+            out.append((logits[slot, :n], feats[slot, :n], greedy[slot, :n], [i for i in paths[slot] if i >= 0]))
         return out
 
     def draft_batch(self, calls: list) -> list:
@@ -509,8 +507,8 @@ def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
             t = verify_rows(budget, chain, b)
             lead = (3, 1) if mrope else (1,)
             out[f"verify_batch-{slots}x{t}"] = (
-                torch.zeros(slots * t, dtype=torch.long, device=dev),
-                torch.zeros(*lead, slots * t, dtype=torch.long, device=dev),
+                torch.zeros(slots, t, dtype=torch.long, device=dev),
+                torch.zeros(*lead, slots, t, dtype=torch.long, device=dev),
                 torch.zeros(slots, dtype=torch.long, device=dev),
                 torch.eye(t, dtype=torch.bool, device=dev).repeat(slots, 1, 1),
                 torch.full((slots, t), -1, dtype=torch.long, device=dev))
@@ -606,18 +604,20 @@ def static_passes(make_fns: Callable, chunk: int, exact_prefill: bool = False) -
     return build
 
 
-def by_rows(graphs: dict, kind: str = "verify"):
-    """One callable over per-bucket graphs (rows -> graph): picks the graph for its first input's rows
-    (verify's tokens [T], an EAGLE-3 depth pass's ids [k])."""
+def by_rows(graphs: dict, kind: str = "verify", dims: int = 1):
+    """One callable over per-bucket graphs (bucket -> graph): picks the graph for its first input's rows
+    (verify's tokens [T], an EAGLE-3 depth pass's ids [k]; `dims` 2: a batched verify's tokens [S, T], its
+    bucket (S, T))."""
 
     def run(tokens, *rest):
-        graph = graphs.get(tokens.shape[0])
+        bucket = tokens.shape[0] if dims == 1 else tuple(tokens.shape[:dims])
+        graph = graphs.get(bucket)
         if graph is None:
-            raise GlanceError(f"this engine has {kind} graphs for {sorted(graphs)} rows, not {tokens.shape[0]}: "
-                              "use one of its tree budgets or rebuild with --tree-budget")
+            raise GlanceError(f"this engine has {kind} graphs for {sorted(graphs)}, not {bucket}: use one of its "
+                              "tree budgets (and batch buckets) or rebuild with --tree-budget (--max-batch)")
         return graph(tokens, *rest)
 
-    run.buckets = graphs  # rows -> graph, for a reader (tests: which sessions an engine's buckets share)
+    run.buckets = graphs  # bucket -> graph, for a reader (tests: which sessions an engine's buckets share)
     return run
 
 
