@@ -32,6 +32,7 @@ from glance_rt.round.tree import default_lookup_budget, grafts_lookup, max_depth
 from glance_rt.round.verify import Backend, static_graphs, static_passes, verify_rows
 
 ENGINE_BACKENDS = ("aoti", "onnxruntime", "tensorrt")
+CACHE_LAYOUT = "slot-major"  # KVCache's [slots, KVH, L, D]: what a batched engine's graphs were built over
 # the first flavor is the default
 FLAVORS = {"aoti": ("frozen", "shared"), "onnxruntime": ("portable", "plugin"), "tensorrt": ("plugin",)}
 # the kernels an aoti flavor runs: `shared` torch's own GEMM (MKL) on the plain weights, `frozen` oneDNN's
@@ -122,6 +123,7 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     config = {"backend": backend, "budgets": list(budgets), "tree_budgets": list(tree_budgets),
               "lookup_budget": lookup_budget or None, "chain": chain, "max_len": max_len, "chunk": chunk,
               "flavor": flavor, "image_sizes": image_sizes, "numerics": numerics, "max_batch": max_batch,
+              "cache_layout": CACHE_LAYOUT,
               "dynamic_rows": dynamic_rows}
     if (out / "manifest.json").exists():
         raise GlanceError(f"{out} already holds an engine: pick another --out, or delete it to rebuild")
@@ -262,6 +264,9 @@ def load_engine(cls, path, target=None, drafter=None, tree_budget=None, lookup: 
         raise GlanceError(f"engine {path} was built with {built} numerics, {numerics} asked: rebuild it with "
                           f"`glance-rt build-engine{' --exact' if numerics == 'exact' else ''}` or ask for {built}")
     slots = m.get("max_batch", 1)
+    if slots > 1 and m.get("cache_layout") != CACHE_LAYOUT:
+        raise GlanceError(f"engine {path} was built for batches with caches laid out along the row axis, before "
+                          "they became slot-major (`glance_rt.models.kv_cache`): rebuild it with this glance-rt")
     if max_batch is not None and max_batch != slots:
         raise GlanceError(f"engine {path} was built for batches of {slots}, max_batch={max_batch} asked: rebuild it "
                           f"with `glance-rt build-engine --max-batch {max_batch}` or ask for {slots}")

@@ -13,8 +13,9 @@ Flavors:
   an ONNX Runtime custom op).
 
 KV caches are explicit: each graph takes every cache it reads as inputs (`past_k_i`, `past_v_i`,
-[1, KVH, L, D], L = max_len) and returns only the rows it wrote (`new_k_i`, `new_v_i`); the runtime
-writes those rows into its own caches, so a cache is never copied through the graph boundary.
+[1, KVH, L, D], L = max_len: slot 0's of a cache of several slots) and returns only the rows it wrote
+(`new_k_i`, `new_v_i`); the runtime writes those rows into its own caches, so a cache is never copied
+through the graph boundary.
 
 Verify graphs: one per tree bucket (`verify-{T}`), or with `dynamic_rows` ONE `verify` graph whose row
 dimension is symbolic (`rows`): it serves every bucket of two rows or more (its manifest entry lists
@@ -23,8 +24,8 @@ step keeps its own graph: exporters specialise a dimension of size 1.
 
 Batched graphs (a cache of several slots: `build-engine --max-batch`): `verify_batch`, `verify_batch-1`
 and `draft_batch`, each ONE graph whose slot dimension is symbolic (`slots`; verify_batch's rows too),
-over the cache of every slot ([1, KVH, slots * L, D]); their written rows come back as [1, KVH, S, n, D]
-(`merge_buckets`).
+over the caches of every slot ([N, KVH, L, D]: slots 0..S-1 are a slice, the op's batched layout); their
+written rows come back as [S, n, KVH, D] (`read_rows`, `merge_buckets`).
 """
 
 from itertools import product
@@ -124,6 +125,13 @@ def graph_caches(graphs, name: str) -> list:
     return [graphs.draft_pass.cache] if drafting else [graphs.verifier.cache]
 
 
+def graph_buffers(graphs, name: str) -> list:
+    """The cache buffers a graph takes as inputs, in order: a batched graph's the caches of every slot
+    [slots, KVH, L, D]; any other graph's slot 0 alone [1, KVH, L, D] (dense, so bound as it is)."""
+    bufs = [b for cache in graph_caches(graphs, name) for b in cache.buffers()]
+    return bufs if name in ("verify_batch", "draft_batch") else [b[:1] for b in bufs]
+
+
 class _Graph(nn.Module):
     """One static graph with its caches as explicit inputs and its written rows as outputs."""
 
@@ -132,8 +140,8 @@ class _Graph(nn.Module):
         self.graphs, self.name, self.n_inputs, self.any_rows = graphs, name, n_inputs, any_rows
 
     def written(self, args) -> torch.Tensor:
-        """The cache rows the graph's `new_*` outputs hold ([n], or [S, n] for a batched graph: slot s's rows,
-        offset by s * max_len into the cache of all slots). The draft pass writes its context rows
+        """The cache rows the graph's `new_*` outputs hold ([n], or [S, n] for a batched graph: slot s's
+        rows). The draft pass writes its context rows
         [ctx_start, ctx_start + R) then its block [block_start, block_start + B), block_start <=
         ctx_start + R: the fixed window [ctx_start, ctx_start + R + B), clamped to the cache."""
         dev = args[0].device  # where the runtime keeps its caches (a CUDA engine computes the rows there)
@@ -148,8 +156,7 @@ class _Graph(nn.Module):
         if self.name in ("verify_batch", "draft_batch"):  # args[2] / args[1]: each slot's start [S]
             start, rows = (args[2], torch.arange(args[0].shape[1], device=dev)) if self.name == "verify_batch" \
                 else (args[1], window)
-            base = torch.arange(start.shape[0], device=dev)[:, None] * self.graphs.max_len  # [S, 1]
-            return (start[:, None] + rows).clamp(max=last) + base  # [S, n]
+            return (start[:, None] + rows).clamp(max=last)  # [S, n]: slot s's rows
         if self.name == "eagle3_context":  # its rows' positions (a short chunk repeats its last row)
             return args[2]
         if self.name == "eagle3_depth":  # the scratch rows its k rows write
@@ -169,7 +176,7 @@ class _Graph(nn.Module):
         out = fn(*args, any_rows=True) if self.any_rows else fn(*args)
         out = out if isinstance(out, tuple) else (out,)
         rows = self.written(args)
-        return (*out, *(t.index_select(2, rows.flatten()).unflatten(2, rows.shape) for t in kv))  # [1, KVH, *rows, D]
+        return (*out, *(read_rows(t, rows) for t in kv))
 
 
 def _names(graphs, name: str, args) -> tuple[list[str], list[str]]:
@@ -219,7 +226,7 @@ def exported_runners(manifest: dict, graphs, make) -> dict:
     fns, buckets = {}, {"verify": {}, "eagle3_depth": {}, "verify_batch": {}, "draft_batch": {}}
     for key, info in manifest["graphs"].items():
         name = key.split("-")[0]
-        bufs = [b for cache in graph_caches(graphs, name) for b in cache.buffers()]
+        bufs = graph_buffers(graphs, name)
         for dims in served(info):
             run = make(info, name, bufs, dims)
             if name in ("verify_batch", "draft_batch"):
@@ -243,10 +250,24 @@ def written_rows(graphs, name: str, args) -> torch.Tensor:
     return _Graph(graphs, name, 0).written(args)
 
 
+def _at(rows: torch.Tensor) -> tuple:
+    """Index of slots 0..S-1's rows `rows` [S, n] in a cache [slots, KVH, L, D] (-> [S, n, KVH, D])."""
+    return torch.arange(rows.shape[0], device=rows.device)[:, None], slice(None), rows
+
+
+def read_rows(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """What a graph returns of a cache it wrote: its rows `rows` [n] of [1, KVH, L, D] -> [1, KVH, n, D];
+    a batched graph's [S, n] of slots 0..S-1 -> [S, n, KVH, D]."""
+    return cache.index_select(2, rows) if rows.dim() == 1 else cache[_at(rows)]
+
+
 def write_back(bufs: list, rows: torch.Tensor, new: list) -> None:
-    """A graph's written rows `new` ([1, KVH, *rows.shape, D] each) into its caches `bufs` at `rows`."""
+    """A graph's written rows `new` (`read_rows`' layout) into its caches `bufs` at `rows`."""
     for b, n in zip(bufs, new, strict=True):
-        b.index_copy_(2, rows.flatten(), n.flatten(2, -2))
+        if rows.dim() == 1:
+            b.index_copy_(2, rows, n)
+        else:
+            b[_at(rows)] = n
 
 
 def merge_buckets(jobs: dict, dynamic_rows: bool) -> tuple[dict, dict]:
@@ -337,7 +358,7 @@ def export_onnx(graphs, out, budgets, chain: bool, chunk: int, flavor: str = "po
         bar.set_postfix_str(key)
         name = key.split("-")[0]
         caches = graph_caches(graphs, name)
-        kv = [b.detach().clone() for c in caches for b in c.buffers()]
+        kv = [b.detach().clone() for b in graph_buffers(graphs, name)]
         ins, outs = _names(graphs, name, args)
         file = out / f"{key}.onnx"
         if not file.exists():

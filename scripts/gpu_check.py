@@ -372,12 +372,11 @@ def kernel_section(run: Run) -> dict:
 
 
 def batched_call_check(run: Run, triton_kernel, random_tree_mask) -> bool:
-    """Issue 40: one call over 4 sequences (their own prefixes, trees, and cache slots: views of one
-    slotted cache) gives each sequence its own call's bits, direct and split."""
+    """Issue 40: one call over 4 sequences (their own prefixes, trees, and cache slots: the slices of one
+    slot-major cache) gives each sequence its own call's bits, direct and split."""
     dev, gen = run.device, torch.Generator().manual_seed(1)
     slots, rows, t = 4, 640, 6
-    cache = [torch.randn(1, 2, slots * rows, 32, generator=gen).to(dev) for _ in range(2)]
-    k, v = (c[0].unflatten(1, (slots, rows)).transpose(0, 1) for c in cache)  # [S, KVH, L, D]
+    k, v = (torch.randn(slots, 2, rows, 32, generator=gen).to(dev) for _ in range(2))  # a slot-major cache
     q = torch.randn(slots, 8, t, 32, generator=gen).to(dev)
     masks = torch.stack([random_tree_mask(t, gen) for _ in range(slots)]).to(dev)
     prefix = torch.tensor([0, 5, 300, 600], device=dev)
@@ -475,8 +474,7 @@ def batched_timings(dev, triton_kernel, slots: int = 8, rows: int = 2048) -> dic
     """Issue 40 at the 7B's attention shapes: `slots` sequences (prefix 1,024 each, their own cache slots)
     attended in one batched call, against a call per sequence, for AR steps (T = 1) and 16-row trees."""
     fig = {}
-    cache = [torch.randn(1, 4, slots * rows, 128, device=dev, dtype=torch.bfloat16) for _ in range(2)]
-    k, v = (c[0].unflatten(1, (slots, rows)).transpose(0, 1) for c in cache)  # [S, 4, L, 128]
+    k, v = (torch.randn(slots, 4, rows, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))  # [S, 4, L, 128]
     prefix = torch.full((slots,), 1024, device=dev)
     for t in (1, 16):
         q = torch.randn(slots, 28, t, 128, device=dev, dtype=torch.bfloat16)

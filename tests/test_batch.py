@@ -330,6 +330,11 @@ def test_an_aoti_engine_built_for_batches_decodes_them(tmp_path):
         assert res.token_ids == hf_greedy(model, r, n)
     with pytest.raises(glance_rt.GlanceError, match="built for batches of 2"):
         glance_rt.Decoder.from_engine(out, target, drafter, max_batch=1)
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["cache_layout"]  # a batched engine built before the caches became slot-major
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(glance_rt.GlanceError, match="slot-major.*rebuild it"):
+        glance_rt.Decoder.from_engine(out, target, drafter)
 
 
 @pytest.mark.full

@@ -175,18 +175,17 @@ def test_tuned_launches_match_the_reference(tune):
 @pytest.mark.parametrize("split_rows", [None, 16])
 def test_a_batch_is_one_launch_with_each_sequences_own_result(dtype, split_rows):
     """A batched call (`glance_rt.round.batch`): three sequences with their own prefix lengths (one 0) and
-    trees, k and v views of a slotted cache's first slots (sequence stride: a slot's rows; head stride: the
-    whole buffer's), the cache's other rows NaN. Each sequence's result == its own call's, bit for bit
+    trees, k and v the first slots of a slot-major cache [slots, KVH, L, D] (as `KVCache` holds them), the
+    cache's other rows NaN. Each sequence's result == its own call's, bit for bit
     (the same programs), and == the reference; a sequence reading another's slot would read NaN."""
     slots, rows, kv_heads, heads, d, t = 4, 80, 2, 6, 16, 5
     gen = torch.Generator().manual_seed(21)
     prefixes = [40, 0, 7]
-    cache_k, cache_v = (torch.full((1, kv_heads, slots * rows, d), float("nan")) for _ in range(2))
+    cache_k, cache_v = (torch.full((slots, kv_heads, rows, d), float("nan")) for _ in range(2))
     for s, p in enumerate(prefixes):
         for c in (cache_k, cache_v):
-            c[:, :, s * rows : s * rows + p + t] = torch.randn(1, kv_heads, p + t, d, generator=gen)
-    views = [c.to(device(), dtype)[0, :, : 3 * rows].unflatten(1, (3, rows)).transpose(0, 1)  # [3, KVH, L, D]
-             for c in (cache_k, cache_v)]
+            c[s, :, : p + t] = torch.randn(kv_heads, p + t, d, generator=gen)
+    views = [c.to(device(), dtype)[:3] for c in (cache_k, cache_v)]  # [3, KVH, L, D]
     q = torch.randn(3, heads, t, d, generator=gen).to(device(), dtype)
     masks = torch.stack([random_tree_mask(t, gen) for _ in prefixes]).to(device())
     rows = torch.tensor(prefixes, device=q.device)[:, None] + torch.arange(t, device=q.device)  # [3, T]

@@ -10,19 +10,20 @@ from torch import Tensor, nn
 
 
 class KVCache(nn.Module):
-    """`k{i}`, `v{i}` [1, kv_heads, slots * max_len, head_dim] for every layer i: `slots` sequences a batch
-    decodes at once (`glance_rt.round.batch`; 1 for one sequence at a time), slot s owning rows
-    [s * max_len, (s + 1) * max_len). Rows are addressed by token index within a slot; rejected scratch
-    rows are simply overwritten later. Every method takes the slot it works on (0 by default). Writes
-    are in-place scatters into the whole buffer whatever the slot (what compilers want of a cache);
-    reads of one slot are a slice of it."""
+    """`k{i}`, `v{i}` [slots, kv_heads, max_len, head_dim] for every layer i: `slots` sequences a batch
+    decodes at once (`glance_rt.round.batch`; 1 for one sequence at a time), slot s owning `k{i}[s]` (its
+    rows contiguous: slot 0 alone is a dense [1, KVH, L, D], which an exported one-sequence graph reads;
+    slots 0..S-1 a dense [S, KVH, L, D], the op's batched layout, a view). Rows are addressed by token
+    index within a slot; rejected scratch rows are simply overwritten later. Every method takes the slot
+    it works on (0 by default). Writes are in-place scatters into the whole buffer whatever the slot
+    (what compilers want of a cache); reads of slots are slices of it."""
 
     def __init__(self, layers: int, kv_heads: int, max_len: int, head_dim: int, dtype, device, slots: int = 1):
         super().__init__()
         self.layers, self.slots, self.rows = layers, slots, max_len
         for i in range(layers):
             for kind in "kv":
-                buf = torch.zeros(1, kv_heads, slots * max_len, head_dim, dtype=dtype, device=device)
+                buf = torch.zeros(slots, kv_heads, max_len, head_dim, dtype=dtype, device=device)
                 self.register_buffer(f"{kind}{i}", buf, persistent=False)
 
     @property
@@ -36,30 +37,34 @@ class KVCache(nn.Module):
     def buffers_of(self, layer: int, slot: int = 0) -> tuple[Tensor, Tensor]:
         """Layer `layer`'s k, v of one slot: [1, KVH, max_len, D] each."""
         kc, vc = self._whole(layer)
-        if self.slots == 1:
+        if kc.shape[0] == 1:
             return kc, vc
-        return kc.narrow(2, slot * self.rows, self.rows), vc.narrow(2, slot * self.rows, self.rows)
+        return kc[slot : slot + 1], vc[slot : slot + 1]
 
     def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor, slot: int = 0) -> None:
         """Write k, v [1, KVH, T, D] at cache rows `rows` [T] of `slot` in place (distinct, or a row repeated
         with the same k, v: a padded chunk)."""
         kc, vc = self._whole(layer)
-        rows = rows + slot * self.rows if slot else rows
-        kc.index_copy_(2, rows, k)
-        vc.index_copy_(2, rows, v)
+        if slot == 0 and kc.shape[0] == 1:
+            kc.index_copy_(2, rows, k)
+            vc.index_copy_(2, rows, v)
+            return
+        at = (torch.tensor([slot], device=rows.device), slice(None), rows)  # advanced: one index_put on the buffer
+        kc[at] = k[0].transpose(0, 1)  # [T, KVH, D]: the indexed dims (slot, rows) first
+        vc[at] = v[0].transpose(0, 1)
 
     def write_slots(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
         """Write k, v [1, KVH, S*T, D] of slots 0..S-1 (slot s's rows at s*T) at their cache rows `rows` [S, T]
         in place: one scatter for the batch."""
-        base = torch.arange(rows.shape[0], device=rows.device)[:, None] * self.rows  # [S, 1]
-        self.write(layer, (rows + base).reshape(-1), k, v)
+        kc, vc = self._whole(layer)
+        at = (torch.arange(rows.shape[0], device=rows.device)[:, None], slice(None), rows)  # -> [S, T, KVH, D]
+        kc[at] = k[0].unflatten(1, rows.shape).permute(1, 2, 0, 3)
+        vc[at] = v[0].unflatten(1, rows.shape).permute(1, 2, 0, 3)
 
     def read_slots(self, layer: int, slots: int, kv_len: int) -> tuple[Tensor, Tensor]:
-        """This layer's k, v of slots 0..S-1 over rows [0, kv_len) each: [S, KVH, kv_len, D] views (sequence
-        stride max_len rows, head stride the whole buffer's: what the op takes)."""
+        """This layer's k, v of slots 0..S-1 over rows [0, kv_len) each: [S, KVH, kv_len, D] views."""
         kc, vc = self._whole(layer)
-        return tuple(x[0, :, : slots * self.rows].unflatten(1, (slots, self.rows)).transpose(0, 1)[:, :, :kv_len]
-                     for x in (kc, vc))
+        return kc[:slots, :, :kv_len], vc[:slots, :, :kv_len]
 
     def read(self, layer: int, kv_len: int, slot: int = 0) -> tuple[Tensor, Tensor]:
         """This layer's k, v over rows [0, kv_len) of `slot`: [1, KVH, kv_len, D]. Eager passes read only
@@ -73,7 +78,9 @@ class KVCache(nn.Module):
         """Copy rows `src` [k] (every layer, one slot) to `[dst_start, dst_start + k)`: the commit's
         compaction. Fixed-size callers pad `src` with `dst_start + i` (a row copied onto itself)."""
         dst = dst_start + torch.arange(src.shape[0], device=src.device)
-        if slot:
-            src, dst = src + slot * self.rows, dst + slot * self.rows
-        for buf in self.buffers():
-            buf.index_copy_(2, dst, buf.index_select(2, src))  # gather first: overlapping ranges are safe
+        at = torch.tensor([slot], device=src.device)
+        for buf in self.buffers():  # gather first, then write: overlapping ranges are safe
+            if buf.shape[0] == 1:
+                buf.index_copy_(2, dst, buf.index_select(2, src))
+            else:
+                buf[at, :, dst] = buf[at, :, src]
