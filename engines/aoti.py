@@ -112,18 +112,16 @@ def runners(path: Path, manifest: dict, graphs) -> dict:
             fns[name] = loaded[name]
     if "eagle3_context" in loaded:  # an EAGLE-3 head: a depth package per beam width (k rows)
         fns["eagle3_depth"] = by_rows(buckets("eagle3_depth"), "EAGLE-3 depth")
-    if any(n.startswith("verify_batch-") for n in loaded):  # batched graphs: a package per (slots, rows) bucket
-        fns["verify_batch"] = lambda *a: _bucket(loaded, f"verify_batch-{a[3].shape[0]}x{a[3].shape[1]}")(*a)
-        if any(n.startswith("draft_batch-") for n in loaded):
-            fns["draft_batch"] = lambda *a: _bucket(loaded, f"draft_batch-{a[0].shape[0]}")(*a)
+    batched = {n.split("-")[0]: {} for n in loaded if "_batch-" in n}  # a package per (slots, rows) / slots bucket
+    for n, r in loaded.items():
+        if "_batch-" in n:
+            bucket = n.split("-")[1]
+            batched[n.split("-")[0]][tuple(map(int, bucket.split("x"))) if "x" in bucket else int(bucket)] = r
+    if "verify_batch" in batched:
+        fns["verify_batch"] = by_rows(batched["verify_batch"], "batched verify", dims=2)
+    if "draft_batch" in batched:
+        fns["draft_batch"] = by_rows(batched["draft_batch"], "batched draft")
     return fns
-
-
-def _bucket(loaded: dict, key: str):
-    if key not in loaded:
-        raise GlanceError(f"this engine has no {key} graph (it has {sorted(k for k in loaded if '_batch-' in k)}): "
-                          "rebuild it with the tree budgets and --max-batch the decoder runs")
-    return loaded[key]
 
 
 def describe(manifest: dict) -> str:
