@@ -340,7 +340,7 @@ def export_onnx(graphs, out, budgets, chain: bool, chunk: int, flavor: str = "po
     finished graphs are kept; each is written to a temporary name, checked, then renamed); then their
     weights are moved into one shared data file (`glance_rt.export.weights`). `dynamic_rows`: the tree
     buckets' verify graphs as one graph with a symbolic row dimension (`merge_buckets`; batched graphs are
-    merged so whatever it says)."""
+    merged either way)."""
     require("onnx", "onnx", "onnxscript")
     import onnx
     from tqdm import tqdm
