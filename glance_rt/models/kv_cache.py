@@ -49,7 +49,7 @@ class KVCache(nn.Module):
             kc.index_copy_(2, rows, k)
             vc.index_copy_(2, rows, v)
             return
-        at = (torch.tensor([slot], device=rows.device), slice(None), rows)  # advanced: one index_put on the buffer
+        at = (torch.full((1,), slot, device=rows.device), slice(None), rows)  # filled on the device: no host copy
         kc[at] = k[0].transpose(0, 1)  # [T, KVH, D]: the indexed dims (slot, rows) first
         vc[at] = v[0].transpose(0, 1)
 
@@ -78,7 +78,7 @@ class KVCache(nn.Module):
         """Copy rows `src` [k] (every layer, one slot) to `[dst_start, dst_start + k)`: the commit's
         compaction. Fixed-size callers pad `src` with `dst_start + i` (a row copied onto itself)."""
         dst = dst_start + torch.arange(src.shape[0], device=src.device)
-        at = torch.tensor([slot], device=src.device)
+        at = torch.full((1,), slot, device=src.device)  # made on the device: no host-to-device copy
         for buf in self.buffers():  # gather first, then write: overlapping ranges are safe
             if buf.shape[0] == 1:
                 buf.index_copy_(2, dst, buf.index_select(2, src))
