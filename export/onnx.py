@@ -47,6 +47,7 @@ from glance_rt.export.manifest import (
 )
 from glance_rt.export.vision import export_vision
 from glance_rt.export.weights import share_weights
+from glance_rt.models.kv_cache import slot_rows
 from glance_rt.round.verify import MIN_PREFILL_ROWS, example_inputs, static_graphs, static_shapes
 
 FLAVORS = ("portable", "plugin")
@@ -250,15 +251,10 @@ def written_rows(graphs, name: str, args) -> torch.Tensor:
     return _Graph(graphs, name, 0).written(args)
 
 
-def _at(rows: torch.Tensor) -> tuple:
-    """Index of slots 0..S-1's rows `rows` [S, n] in a cache [slots, KVH, L, D] (-> [S, n, KVH, D])."""
-    return torch.arange(rows.shape[0], device=rows.device)[:, None], slice(None), rows
-
-
 def read_rows(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """What a graph returns of a cache it wrote: its rows `rows` [n] of [1, KVH, L, D] -> [1, KVH, n, D];
     a batched graph's [S, n] of slots 0..S-1 -> [S, n, KVH, D]."""
-    return cache.index_select(2, rows) if rows.dim() == 1 else cache[_at(rows)]
+    return cache.index_select(2, rows) if rows.dim() == 1 else cache[slot_rows(rows)]
 
 
 def write_back(bufs: list, rows: torch.Tensor, new: list) -> None:
@@ -267,7 +263,7 @@ def write_back(bufs: list, rows: torch.Tensor, new: list) -> None:
         if rows.dim() == 1:
             b.index_copy_(2, rows, n)
         else:
-            b[_at(rows)] = n
+            b[slot_rows(rows)] = n
 
 
 def merge_buckets(jobs: dict, dynamic_rows: bool) -> tuple[dict, dict]:

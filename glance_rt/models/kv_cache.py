@@ -9,6 +9,12 @@ import torch
 from torch import Tensor, nn
 
 
+def slot_rows(rows: Tensor) -> tuple:
+    """The index of slots 0..S-1's rows `rows` [S, n] in a slot-major cache [slots, KVH, L, D]: what it
+    selects is [S, n, KVH, D]."""
+    return torch.arange(rows.shape[0], device=rows.device)[:, None], slice(None), rows
+
+
 class KVCache(nn.Module):
     """`k{i}`, `v{i}` [slots, kv_heads, max_len, head_dim] for every layer i: `slots` sequences a batch
     decodes at once (`glance_rt.round.batch`; 1 for one sequence at a time), slot s owning `k{i}[s]` (its
@@ -37,7 +43,7 @@ class KVCache(nn.Module):
     def buffers_of(self, layer: int, slot: int = 0) -> tuple[Tensor, Tensor]:
         """Layer `layer`'s k, v of one slot: [1, KVH, max_len, D] each."""
         kc, vc = self._whole(layer)
-        if kc.shape[0] == 1:
+        if kc.shape[0] == 1:  # one slot (or, traced for export, slot 0's tensor alone: `graph_buffers`)
             return kc, vc
         return kc[slot : slot + 1], vc[slot : slot + 1]
 
@@ -57,7 +63,7 @@ class KVCache(nn.Module):
         """Write k, v [1, KVH, S*T, D] of slots 0..S-1 (slot s's rows at s*T) at their cache rows `rows` [S, T]
         in place: one scatter for the batch."""
         kc, vc = self._whole(layer)
-        at = (torch.arange(rows.shape[0], device=rows.device)[:, None], slice(None), rows)  # -> [S, T, KVH, D]
+        at = slot_rows(rows)  # -> [S, T, KVH, D]
         kc[at] = k[0].unflatten(1, rows.shape).permute(1, 2, 0, 3)
         vc[at] = v[0].unflatten(1, rows.shape).permute(1, 2, 0, 3)
 
