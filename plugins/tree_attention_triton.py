@@ -31,10 +31,26 @@ rows, tree mask and prefix length (q [B, H, T, D], k, v [B, KVH, L, D], tree_mas
 [B]): the batch is one more grid axis, so one launch covers every sequence of a batched pass and a
 sequence's programs are the ones it gets alone (its result is bit-identical to a call of its own).
 
-Three entry points share one body (`_attend_rows`):
+Exact numerics (issue 39; `glance_rt.models.exact`): `tree_attention(..., exact=True)` runs the PATH
+kernel instead, whose every query row gets the bits an autoregressive step at its position gets once its
+path is committed. The tiles above cannot give that: a tree row's ancestors lie at scattered cache rows
+with other branches' rows between them (masked, p = 0, but they still change how a tile's sums group,
+and where tiles and splits cut the path), while an AR step reads the same keys contiguously. A path
+program serves ONE query row (its G heads, so the tile never mixes rows with other paths) and walks
+positions along that row's path, j = 0, 1, ... < prefix + (rows it sees): position j reads cache row j
+below the prefix and, from it on, the row of the (j - prefix)-th tree row the query sees (a running
+count of its tree-mask row, in registers). Tiles start at the split boundaries by path position, a tile
+is whole when every position in it is on the path, splits past a row's path hold the empty state (their
+fold changes no bit: x*1 + 0). So a verify row and the AR step at the same position feed the same values
+to the same code in the same order: bit for bit, in every dtype, whatever the hardware does inside a
+dot. An AR step (T = 1, mask [[1]]) is a path like any other, so exact numerics run both through it.
+
+Entry points (the first three share one body, `_attend_rows`; the path kernel walks `_attend_path`):
   tree_attention_kernel          direct: one program walks all rows and normalises (the TensorRT plugin's)
   tree_attention_split_kernel    one split's partial state per (query tile, KV head, sequence x split)
   tree_attention_combine_kernel  folds the live splits in order, normalises, writes out
+  tree_attention_path_kernel     exact numerics: one query row's path per program, direct or a split's
+                                 partial state (then the same combine)
 
 Direct kernel launch ABI (TensorRT's AOT plugin order: input pointers, int32 extras, output pointers):
 
@@ -126,6 +142,38 @@ def _attend_rows(q, k_ptr, v_ptr, mask_ptr, kv_base, prefix, T, t, r_ok, d, d_ok
         visible = (j < prefix)[None, :] | (tm != 0)  # [M, N]
         m_i, l_i, acc = _fold_tile(tl.where(visible, s, float("-inf")), v, m_i, l_i, acc)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_path(q, k_ptr, v_ptr, kv_base, prefix, counts, c_ok, d, d_ok, lo, hi, m_i, l_i, acc,
+                 HEAD_DIM: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online softmax of ONE query row's heads q [M, D] along its path positions [lo, hi) (hi <= the path's
+    end) in BLOCK_N-position tiles from lo (`_path_rows` maps positions to cache rows). Whole tiles (every
+    position < hi) run without bounds, the one the path ends in with them: which tile is which depends on
+    the positions alone, as in the autoregressive step at the same position."""
+    full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # end of the whole tiles
+    for start in range(lo, full, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)  # [N] path positions, all < hi
+        rows = _path_rows(j, prefix, counts, c_ok)
+        k, v = _kv_tile(k_ptr, v_ptr, kv_base, rows, d, j < full, d_ok, HEAD_DIM, True)
+        m_i, l_i, acc = _fold_tile(_scores(q, k, SCALE), v, m_i, l_i, acc)
+    for start in range(full, hi, BLOCK_N):  # at most one tile
+        j = start + tl.arange(0, BLOCK_N)
+        j_ok = j < hi
+        k, v = _kv_tile(k_ptr, v_ptr, kv_base, _path_rows(j, prefix, counts, c_ok), d, j_ok, d_ok, HEAD_DIM, False)
+        s = tl.where(j_ok[None, :], _scores(q, k, SCALE), float("-inf"))  # [M, N]
+        m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _path_rows(j, prefix, counts, c_ok):
+    """Cache rows of path positions j [N]: j below the prefix; from it, prefix + the tree column of the
+    query's (j - prefix)-th visible tree row, i.e. the number of columns c < T whose running count of
+    visible entries `counts` [BT] is <= j - prefix."""
+    i = j - prefix  # [N]
+    col = tl.sum(((counts[None, :] <= i[:, None]) & c_ok[None, :]).to(tl.int32), 1)  # [N]
+    return tl.where(i < 0, j, prefix + col)
 
 
 @triton.jit
@@ -247,6 +295,48 @@ def tree_attention_combine_kernel(acc_ptr, ml_ptr, prefix_ptr, T, SPLITS, out_pt
     tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def tree_attention_path_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_ROWS, KV_BATCH, SPLITS,
+                               out_ptr, acc_ptr, ml_ptr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                               SCALE: tl.constexpr, SPLIT_ROWS: tl.constexpr, PARTIAL: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                               BLOCK_T: tl.constexpr):
+    """Exact numerics: query row t's heads [tile * BLOCK_M, ...) of one KV head (program_id(0) = t *
+    head tiles + tile) along the row's path. PARTIAL: split program_id(2) % SPLITS's state into the split
+    kernel's scratch (the combine kernel folds it); else the whole path, normalised, into out."""
+    seq, split = tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS
+    mask_ptr, prefix, kv_base = _sequence(seq, mask_ptr, prefix_ptr, T, KV_ROWS, KV_BATCH, HEAD_DIM)
+    lo = split * SPLIT_ROWS
+    if lo < prefix + T:  # as the split kernel: the combine folds these splits (past the row's path: empty)
+        tiles: tl.constexpr = (GROUPS + BLOCK_M - 1) // BLOCK_M
+        t = tl.program_id(0) // tiles
+        g = tl.program_id(0) % tiles * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] heads of this KV head
+        c = tl.arange(0, BLOCK_T)  # [BT] tree columns
+        seen = tl.load(mask_ptr + t * T + c, mask=c < T, other=0).to(tl.int32)  # [BT] the rows row t sees
+        counts = tl.cumsum(seen, 0)  # [BT]
+        end = prefix + tl.sum(seen, 0)  # the path's length: prefix, ancestors, itself
+        hi = tl.minimum(lo + SPLIT_ROWS, end) if PARTIAL else end
+        r = g * T + t  # [M] folded rows (as `_query_tile`'s: head kvh*G + g, query t)
+        d = tl.arange(0, BLOCK_D)
+        r_ok, d_ok = g < GROUPS, d < HEAD_DIM
+        head = seq * tl.num_programs(1) + tl.program_id(1)  # the (sequence, KV head) pair
+        q_off = (head.to(tl.int64) * (GROUPS * T) + r)[:, None] * HEAD_DIM + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=r_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
+        m_i = tl.full([BLOCK_M], M_START, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m_i, l_i, acc = _attend_path(q, k_ptr, v_ptr, kv_base, prefix, counts, c < T, d, d_ok, lo, hi,
+                                     m_i, l_i, acc, HEAD_DIM, SCALE, BLOCK_N)
+        if PARTIAL:
+            part = (head.to(tl.int64) * SPLITS + split) * (GROUPS * T) + r  # [M] rows of the scratch
+            tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
+            tl.store(ml_ptr + part * 2, m_i, mask=r_ok)
+            tl.store(ml_ptr + part * 2 + 1, l_i, mask=r_ok)
+        else:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+
+
 def grid(rows, kv_heads: int, block_m: int, sequences: int = 1) -> tuple:
     """Programs for GROUPS * T folded query rows over kv_heads KV heads and `sequences` (for the split
     kernel: sequences x cache splits). `rows` may be symbolic (the TensorRT plugin's expression of a
@@ -255,7 +345,7 @@ def grid(rows, kv_heads: int, block_m: int, sequences: int = 1) -> tuple:
 
 
 def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int | None = SPLIT_ROWS,
-                   block_m: int | None = None, tune: dict | None = None):
+                   block_m: int | None = None, tune: dict | None = None, exact: bool = False):
     """Launch on torch tensors: CUDA, or CPU tensors through Triton's interpreter (with
     TRITON_INTERPRET=1 set before triton is first imported, as the tests do). Shapes as the op (one
     sequence: q [1, H, T, D], tree_mask [T, T], prefix_len []; or B: [B, H, T, D], [B, T, T], [B]); k and v
@@ -266,7 +356,8 @@ def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int
     combine); `split_rows` None, or L <= split_rows, runs the direct kernel alone. `block_m`: the split
     kernel's query rows per program (None: `split_block_m`); it changes no result. `tune`: launch
     settings to measure (gpu_check's sweep), any of BLOCK_N (tile rows: it changes the reduction order,
-    so the op keeps `blocks`' one per dtype and head dim), num_warps, num_stages."""
+    so the op keeps `blocks`' one per dtype and head dim), num_warps, num_stages. `exact`: the path
+    kernel (exact numerics: every row the bits of the AR step at its position; `block_m` unused)."""
     import torch
 
     seqs, heads, t, d = q.shape
@@ -283,6 +374,9 @@ def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int
     common = dict(GROUPS=groups, HEAD_DIM=d, num_warps=tune.pop("num_warps", NUM_WARPS),
                   num_stages=tune.pop("num_stages", stages(d, dtype)))
     splits = 1 if split_rows is None else triton.cdiv(kv_len, check_split_rows(split_rows))
+    if exact:
+        return _path_attention(q, k, v, mask, prefix, t, strides, out, splits, split_rows, float(scale),
+                               blocks(d, dtype, split_rows) | tune, common)
     if splits == 1:
         tiles = blocks(d, dtype) | tune
         tree_attention_kernel[grid(groups * t, kv_heads, tiles["BLOCK_M"], seqs)](
@@ -296,6 +390,29 @@ def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int
         q, k, v, mask, prefix, t, *strides, splits, acc, ml, SCALE=float(scale), SPLIT_ROWS=split_rows,
         **tiles, **common)
     tree_attention_combine_kernel[grid(groups * t, kv_heads, COMBINE_BLOCK_M, seqs)](  # rows fold independently
+        acc, ml, prefix, t, splits, out, SPLIT_ROWS=split_rows, BLOCK_M=COMBINE_BLOCK_M,
+        BLOCK_D=tiles["BLOCK_D"], **common)
+    return out
+
+
+def _path_attention(q, k, v, mask, prefix, t: int, strides: tuple, out, splits: int, split_rows: int | None,
+                    scale: float, tiles: dict, common: dict):
+    """`tree_attention(..., exact=True)`'s launches: the path kernel over (query row x head tile, KV head,
+    sequence x split), then the combine kernel where the cache has several splits."""
+    import torch
+
+    seqs, kv_heads, groups = q.shape[0], k.shape[1], common["GROUPS"]
+    rows = t * triton.cdiv(groups, tiles["BLOCK_M"])  # programs on axis 0: a query row's head tiles
+    path = dict(SCALE=scale, SPLIT_ROWS=split_rows or 0, PARTIAL=splits > 1,
+                BLOCK_T=max(16, triton.next_power_of_2(t)), **tiles, **common)
+    if splits == 1:
+        tree_attention_path_kernel[(rows, kv_heads, seqs)](q, k, v, mask, prefix, t, *strides, 1, out, out, out, **path)
+        return out
+    acc = torch.empty(seqs, kv_heads, splits, groups * t, q.shape[3], dtype=torch.float32, device=q.device)
+    ml = torch.empty(seqs, kv_heads, splits, groups * t, 2, dtype=torch.float32, device=q.device)
+    tree_attention_path_kernel[(rows, kv_heads, seqs * splits)](q, k, v, mask, prefix, t, *strides, splits, out,
+                                                                acc, ml, **path)
+    tree_attention_combine_kernel[grid(groups * t, kv_heads, COMBINE_BLOCK_M, seqs)](
         acc, ml, prefix, t, splits, out, SPLIT_ROWS=split_rows, BLOCK_M=COMBINE_BLOCK_M,
         BLOCK_D=tiles["BLOCK_D"], **common)
     return out
@@ -332,6 +449,19 @@ def compile_split_aot(dtype: str, head_dim: int, groups: int, scale: float, arch
                        dict(GROUPS=groups, HEAD_DIM=head_dim, SPLIT_ROWS=split_rows, BLOCK_M=block_m,
                             BLOCK_D=tiles["BLOCK_D"]), arch, 1)
     return split, combine
+
+
+def compile_path_aot(dtype: str, head_dim: int, groups: int, scale: float, arch: int = 90,
+                     split_rows: int = SPLIT_ROWS, partial: bool = True, block_t: int = 16):
+    """The path kernel (exact numerics) compiled ahead of time as `compile_aot` does: a split's partial
+    state (`partial`) or the direct form, for trees of up to `block_t` rows."""
+    ty = DTYPES[dtype]
+    signature = {"q_ptr": f"*{ty}", "k_ptr": f"*{ty}", "v_ptr": f"*{ty}", "mask_ptr": "*i1", "prefix_ptr": "*i64",
+                 "T": "i32", "KV_ROWS": "i32", "KV_BATCH": "i32", "SPLITS": "i32", "out_ptr": f"*{ty}",
+                 "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
+    constexprs = dict(GROUPS=groups, HEAD_DIM=head_dim, SCALE=float(scale), SPLIT_ROWS=split_rows,
+                      PARTIAL=partial, **blocks(head_dim, dtype, check_split_rows(split_rows)), BLOCK_T=block_t)
+    return _compile(tree_attention_path_kernel, signature, constexprs, arch, stages(head_dim, dtype))
 
 
 def _compile(fn, signature: dict, constexprs: dict, arch: int, num_stages: int):

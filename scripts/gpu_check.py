@@ -363,6 +363,8 @@ def kernel_section(run: Run) -> dict:
                                          "cache tail)")
     fig["max_abs_error"] = worst
     fig["batched_call_equals_each_sequence"] = batched_call_check(run, triton_kernel, random_tree_mask)
+    # issue 39's path kernel: every dtype on a GPU; fp32 alone through the (slow) interpreter
+    fig["path_rows_equal_their_ar_steps"] = path_check(tol if dev.type == "cuda" else [torch.float32])
     if dev.type == "cuda":
         fig["cuda_graph_follows_prefix_len"] = captured_prefix_check(run)
         fig.update(kernel_timings(run))
@@ -388,6 +390,19 @@ def batched_call_check(run: Run, triton_kernel, random_tree_mask) -> bool:
             if not torch.equal(together[i : i + 1], alone):
                 return False
     return True
+
+
+def path_check(dtypes) -> dict:
+    """Issue 39: the path kernel (exact numerics) gives every tree row its AR step's bits on this device:
+    {dtype: rows equal / rows}, over tests/test_triton_kernel.py's cases."""
+    from tests.test_triton_kernel import PATH_CASES, path_case, rows_equal_to_their_ar_steps
+
+    out = {}
+    for dtype in dtypes:
+        same = [ok for i, (h, kvh, t, p, d, split) in enumerate(PATH_CASES)
+                for ok in rows_equal_to_their_ar_steps(*path_case(h, kvh, t, p, d, dtype, seed=i), split)]
+        out[str(dtype).removeprefix("torch.")] = f"{sum(same)}/{len(same)}"
+    return out
 
 
 def captured_prefix_check(run: Run) -> bool:
@@ -444,6 +459,7 @@ def kernel_timings(run: Run) -> dict:
     cache) in CUDA graphs: the direct kernel (TensorRT's; the first run's 102/291 us), the op's default
     split-KV, a sweep of split sizes, and the reference op (SDPA over every row with a [T, L] mask)."""
     from glance_rt.models.attention import tree_attention_reference
+    from glance_rt.models.exact import static_row_attention
     from glance_rt.plugins import tree_attention_triton as triton_kernel
 
     dev, fig, sweeps = run.device, {}, {}
@@ -459,6 +475,9 @@ def kernel_timings(run: Run) -> dict:
                 fig[f"split{rows}_{key}_us"] = graph_time_us(lambda a=args, r=rows: triton_kernel.tree_attention(*a, r))
             fig[f"kernel_{key}_us"] = fig[f"split{triton_kernel.SPLIT_ROWS}_{key}_us"]  # the op's default
             fig[f"reference_{key}_us"] = graph_time_us(lambda a=args: tree_attention_reference(*a))
+            # exact numerics (issue 39): the path kernel, and the gathered copies + SDPA it replaced
+            fig[f"exact_{key}_us"] = graph_time_us(lambda a=args: triton_kernel.tree_attention(*a, exact=True))
+            fig[f"gathered_{key}_us"] = graph_time_us(lambda a=args: static_row_attention(*a))
             if key in KERNEL_GOALS_US:
                 fig[f"kernel_{key}_goal_us"] = KERNEL_GOALS_US[key]
             print(key, {n: round(x, 1) for n, x in fig.items() if key in n}, flush=True)
@@ -633,18 +652,18 @@ def build_target(cfg: dict, dtype, device):
     return glance_rt.load_target(model, dtype=str(dtype).removeprefix("torch."), device=str(device))
 
 
-def pass_fns(run: Run, target, drafter, backend: str, budgets) -> dict:
+def pass_fns(run: Run, target, drafter, backend: str, budgets, numerics: str = "fast") -> dict:
     """name -> one call of each pass at a `--context`-row prefix, on ONE decoder (one compile of each
     graph: the AR step is its one-row verify, the step the draft gate takes): ar_step, draft,
     verify_N, round_N (the host tree between the passes) and, where the decoder runs rounds on the
-    device (compile on CUDA), device_round_N (one graph, one copy back)."""
+    device (compile on CUDA), device_round_N (one graph, one copy back). `numerics`: the decoder's."""
     import glance_rt
     from glance_rt.round.tree import build_tree
 
     args, dev = run.args, run.device
     ctx = args.context
     dec = glance_rt.Decoder(target, drafter, tree_budget=max(budgets), max_length=ctx + max(budgets) + 128,
-                            backend=backend, lookup=0, gate=False,
+                            backend=backend, lookup=0, gate=False, numerics=numerics,
                             device_round=True if run.args.cpu and backend == "compile" else None)  # --cpu: check it
     pre = target.prefill_inputs({"input_ids": torch.randint(0, target.vocab_size, (1, ctx), device=dev)})
     _, feats = dec.passes.prefill(pre.embeds[None].to(target.dtype), pre.positions[None].to(dev))
@@ -753,10 +772,25 @@ def ratios(fig: dict) -> dict:
     for k, v in c.items():
         if k.startswith(("verify_", "round_", "device_round_")) and isinstance(v, float):
             out[f"{k.removesuffix('_ms')}/ar_step"] = v / ar
+    for k, v in fig.get("compile_exact", {}).items():  # issue 39: exact numerics' cost, pass by pass
+        if isinstance(v, float) and isinstance(c.get(k), float):
+            out[f"exact/fast {k.removesuffix('_ms')}"] = v / c[k]
     return {k: round(v, 3) for k, v in out.items()}
 
 
-def model_figures(run: Run, cfg: dict, dtype, budgets, profile: bool) -> dict:
+def exact_figures(run: Run, target, drafter, budget: int) -> dict:
+    """Issue 39's cost: the compiled AR step, verify and round at `budget` in exact numerics (the Triton
+    matmul and path kernel on CUDA), to set beside the fast mode's."""
+    fns = pass_fns(run, target, drafter, "compile", [budget], numerics="exact")
+    return pass_figures(run, {k: fns[k] for k in ("ar_step", f"verify_{budget}", f"round_{budget}")})
+
+
+EXACT_S = 240  # seconds exact timings start with: a compile of the passes (~200 s at the 3B on the first H200)
+
+
+def model_figures(run: Run, cfg: dict, dtype, budgets, profile: bool, exact_after: float | None = None) -> dict:
+    """The model's figures; `exact_after`: time exact numerics' passes too if, once the rest is done, this
+    many seconds (the later models' floors) plus EXACT_S are left."""
     import glance_rt
 
     torch._dynamo.reset()
@@ -778,6 +812,10 @@ def model_figures(run: Run, cfg: dict, dtype, budgets, profile: bool) -> dict:
         fig["profile"] = profile_table(run, {k: fns[k] for k in keys if k in fns})
     del fns
     fig["hf_static"] = hf_step(run, target) if run.left() > run.args.floor else "skipped: deadline"
+    if exact_after is not None and run.left() > exact_after + EXACT_S:
+        torch._dynamo.reset()
+        fig["compile_exact"] = exact_figures(run, target, drafter, 64 if 64 in budgets else max(budgets))
+        print("compile exact", json.dumps(fig["compile_exact"]), flush=True)
     fig["ratios"] = ratios(fig)
     print(json.dumps({k: fig[k] for k in ("eager", "hf_static", "ratios")}), flush=True)
     return fig
@@ -795,7 +833,9 @@ def timings_section(run: Run) -> dict:
             continue
         spare = [int(b) for b in run.args.spare_budgets.split(",") if b]
         extra = spare if run.left() > run.args.model_floor * later + 260 else []  # this model, spares, gpu_tests
-        res[name] = model_figures(run, cfg, dtype, sorted(set(budgets + extra)), profile=i == 0)
+        exact_after = run.args.model_floor * later if i == 0 else None  # issue 39's cost: the 3B's shapes
+        res[name] = model_figures(run, cfg, dtype, sorted(set(budgets + extra)), profile=i == 0,
+                                  exact_after=exact_after)
         if run.device.type == "cuda":
             torch.cuda.empty_cache()
     return res
@@ -982,7 +1022,12 @@ def summary(report: dict) -> None:
     k = report.get("kernel", {})
     print("kernel max |error| vs reference:", k.get("max_abs_error"), "| CUDA graph follows prefix_len:",
           k.get("cuda_graph_follows_prefix_len"), "| a batched call == each sequence's own:",
-          k.get("batched_call_equals_each_sequence"))
+          k.get("batched_call_equals_each_sequence"), "| path kernel rows == AR steps:",
+          k.get("path_rows_equal_their_ar_steps"))
+    for key in ("T1_P1024", "T64_P6000"):
+        if f"exact_{key}_us" in k:
+            print(f"exact attention {key}: path kernel {k[f'exact_{key}_us']:.1f} us, gathered + SDPA "
+                  f"{k[f'gathered_{key}_us']:.1f} us, fast kernel {k[f'kernel_{key}_us']:.1f} us")
     for t in (1, 16):
         if f"batch8_T{t}_P1024_us" in k:
             print(f"kernel, 8 sequences at T={t}: one batched call {k[f'batch8_T{t}_P1024_us']:.1f} us, a call each "
@@ -996,10 +1041,10 @@ def summary(report: dict) -> None:
     for name, fig in report.get("timings", {}).items():
         if not isinstance(fig, dict) or "compile" not in fig:
             continue
-        for backend in ("eager", "compile"):
-            cells = "  ".join(f"{k.removesuffix('_ms')} {v:.2f}" for k, v in fig[backend].items()
+        for backend in (b for b in ("eager", "compile", "compile_exact") if b in fig):
+            cells = "  ".join(f"{k.removesuffix('_ms')} {v:.2f}" for k, v in fig.get(backend, {}).items()
                               if k.endswith("_ms") and isinstance(v, float))
-            print(f"{name:14} {backend:8} ms: {cells}")
+            print(f"{name:14} {backend:13} ms: {cells}")
         hf = fig.get("hf_static")
         hf = f"{hf['step_ms']:.2f} ms" if isinstance(hf, dict) else hf
         print(f"{name:14} AR bandwidth bound {fig['ar_bandwidth_bound_ms']:.2f} ms | HF static step {hf}")

@@ -108,3 +108,27 @@ def vocab_drafter(target, size: int, seed: int = 5, **kw):
     g = torch.Generator().manual_seed(seed)
     d.draft_vocab.copy_(torch.randperm(target.vocab_size, generator=g)[:size].sort().values)
     return d
+
+
+@pytest.fixture
+def interpreter_bf16_dot(monkeypatch):
+    """Triton 3.9's interpreter multiplies bf16 tiles as their uint16 storage (`create_dot` calls
+    np.matmul on the raw bits; only fp8 is converted first). Convert bf16 to fp32 as the GPU's MMA
+    reads them, so the kernel's bf16 loads, casts and stores are checked here too."""
+    if torch.cuda.is_available():
+        return
+    pytest.importorskip("triton", reason="triton is not installed")
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar == tl.bfloat16:
+            def up(x):
+                return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+            a, b = up(a), up(b)
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)

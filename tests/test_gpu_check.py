@@ -144,15 +144,18 @@ def test_cpu_gpu_tests_real_and_numerics_sections(tmp_path):
 def test_cpu_run_of_every_section(tmp_path):
     """`gpu_check.py --cpu`: every section at toy sizes (the script itself), in a few minutes."""
     run_script("--cpu", "--out", str(tmp_path), "--compile-archs", "llama", "--budgets", "4",
-               "--spare-budgets", "8", timeout=900)
+               "--spare-budgets", "8", "--deadline", "800", timeout=900)  # time for the exact timings too
     r = json.loads((tmp_path / "gpu_check.json").read_text())
     assert r["lossless"]["all_equal_hf"] and r["lossless"]["no_recompiles"]
     assert r["kernel"]["batched_call_equals_each_sequence"] is True
+    assert r["kernel"]["path_rows_equal_their_ar_steps"] == {"float32": "62/62"}
     toy = r["timings"]["toy"]
     assert {"ar_step_ms", "draft_ms", "verify_4_ms", "round_4_ms", "verify_8_ms"} <= set(toy["compile"])  # 8: spare
     assert {"device_round_4_ms", "device_round_8_ms"} <= set(toy["compile"])  # --cpu runs the device rounds too
     assert {"ar_step", "draft", "verify_8", "round_8"} <= set(toy["profile"]) and toy["profile"]["draft"]
     assert toy["hf_static"]["step_ms"] > 0 and "hf_static/ar_step" in toy["ratios"]
+    assert {"ar_step_ms", "verify_8_ms", "round_8_ms"} <= set(toy["compile_exact"])  # issue 39's cost, at the
+    assert "exact/fast round_8" in toy["ratios"]  # largest budget timed
     assert r["batch"]["batch_8"]["tok_s"] > 0 and "speedup" in r["batch"] and "same_tokens" in r["batch"]
 
 

@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from glance_rt.tools.numerics import linear_invariance
-from tests.test_triton_kernel import interpreter_bf16_dot  # noqa: F401  (a fixture)
 
 mm = pytest.importorskip("glance_rt.plugins.matmul_triton", reason="triton is not installed")
 triton = pytest.importorskip("triton")

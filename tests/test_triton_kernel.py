@@ -15,30 +15,6 @@ triton_kernel = pytest.importorskip("glance_rt.plugins.tree_attention_triton", r
 TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-@pytest.fixture
-def interpreter_bf16_dot(monkeypatch):
-    """Triton 3.9's interpreter multiplies bf16 tiles as their uint16 storage (`create_dot` calls
-    np.matmul on the raw bits; only fp8 is converted first). Convert bf16 to fp32 as the GPU's MMA
-    reads them, so the kernel's bf16 loads, casts and stores are checked here too."""
-    if torch.cuda.is_available():
-        return
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    dot = interpreter.InterpreterBuilder.create_dot
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype.scalar == tl.bfloat16:
-            def up(x):
-                return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-            a, b = up(a), up(b)
-        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
-
-
 def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -320,4 +296,102 @@ def test_split_kernels_compile_ahead_of_time():
             "print(json.dumps(out))")
     got = run_without_interpreter(code)
     assert [name for name, _, _ in got] == ["tree_attention_split_kernel", "tree_attention_combine_kernel"] * 2
+    assert all(cubin > 0 and target for _, cubin, target in got)
+
+
+# ----------------------------------------------------------------------------- exact numerics: the path kernel
+
+
+def path_case(heads, kv_heads, t, prefix, d, dtype, seed):
+    """q, k, v, mask, prefix for a tree call whose cache is NaN past prefix + T."""
+    q, k, v, mask = case(heads, kv_heads, t, prefix, d, dtype, seed, cache_rows=prefix + t + 40)
+    return q, k, v, mask, torch.tensor(prefix, device=q.device)
+
+
+def committed(k, v, mask, prefix: int, row: int):
+    """The cache an autoregressive step at `row`'s position reads once its path is committed: its ancestors'
+    K/V rows moved together after the prefix (as the commit moves accepted rows), NaN after its own;
+    -> (k, v, the step's prefix length)."""
+    path = prefix + mask[row].nonzero()[:, 0]  # [n] cache rows: ancestors, itself
+    out = []
+    for c in (k, v):
+        c = c.clone()
+        c[:, :, prefix : prefix + len(path)] = c[:, :, path]
+        c[:, :, prefix + len(path) :] = float("nan")
+        out.append(c)
+    return *out, prefix + len(path) - 1
+
+
+def rows_equal_to_their_ar_steps(q, k, v, mask, prefix, split_rows, exact=True) -> list[bool]:
+    """For every row of a tree call: is its result, bit for bit, the one-row call at its position over the
+    cache with its path committed?"""
+    scale = q.shape[3] ** -0.5
+    tree = triton_kernel.tree_attention(q, k, v, mask, prefix, scale, split_rows, exact=exact)
+    one = torch.ones(1, 1, dtype=torch.bool, device=q.device)
+    same = []
+    for row in range(q.shape[2]):
+        k1, v1, p = committed(k, v, mask, int(prefix), row)
+        step = triton_kernel.tree_attention(q[:, :, row : row + 1], k1, v1, one, torch.tensor(p, device=q.device),
+                                            scale, split_rows, exact=exact)
+        same.append(torch.equal(step[:, :, 0], tree[:, :, row]))
+    return same
+
+
+PATH_CASES = [  # heads, kv_heads, T, prefix, head dim, split rows
+    (4, 2, 9, 13, 16, None),  # the direct form: one program per row walks the whole path
+    (8, 2, 17, 100, 32, 32),  # paths cross split and tile boundaries that the tree's rows do not
+    (6, 1, 24, 60, 16, 16),  # MQA, many splits, rows deeper than a split
+    (20, 1, 12, 250, 24, 64),  # G = 20: two head tiles per row; head dim padded
+]
+
+
+@pytest.mark.usefixtures("interpreter_bf16_dot")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,t,prefix,d,split_rows", PATH_CASES)
+def test_path_kernel_rows_are_their_ar_steps_bit_for_bit(dtype, heads, kv_heads, t, prefix, d, split_rows):
+    """Exact numerics (issue 39): every row of a random tree gets, bit for bit, what the one-row call at its
+    position gets over the cache with its path committed (ancestors moved together, as the commit does),
+    and both are the op (the reference's values); the NaN past each call's rows is never read."""
+    q, k, v, mask, p = path_case(heads, kv_heads, t, prefix, d, dtype, seed=heads + t + prefix)
+    got = triton_kernel.tree_attention(q, k, v, mask, p, d**-0.5, split_rows, exact=True)
+    assert got.dtype == dtype and not got.isnan().any()
+    torch.testing.assert_close(got.float().cpu(), expected(q, k, v, mask, prefix, d**-0.5), atol=TOL[dtype],
+                               rtol=TOL[dtype])
+    assert all(rows_equal_to_their_ar_steps(q, k, v, mask, p, split_rows))
+
+
+def test_the_fast_kernel_fails_the_path_check():
+    """The same check catches a kernel that is not row-exact: the fast tiles (a row's ancestors at their
+    tree rows, other branches masked between them) give some row other bits than its AR step."""
+    for heads, kv_heads, t, prefix, d, split_rows in PATH_CASES[:2]:
+        q, k, v, mask, p = path_case(heads, kv_heads, t, prefix, d, torch.float32, seed=heads + t + prefix)
+        assert not all(rows_equal_to_their_ar_steps(q, k, v, mask, p, split_rows, exact=False))
+
+
+@pytest.mark.parametrize("split_rows", [None, 16])
+def test_path_kernel_over_a_batch_gives_each_sequence_its_own_bits(split_rows):
+    """Batched (issue 40's layout: slot-major cache views, prefix a column of the rows): one launch, each
+    sequence's result its own call's, bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    slots, kv_heads, heads, rows, d, t = 3, 2, 4, 90, 16, 6
+    k, v = (torch.randn(slots + 1, kv_heads, rows, d, generator=gen).to(device()) for _ in range(2))
+    q = torch.randn(slots, heads, t, d, generator=gen).to(device())
+    masks = torch.stack([random_tree_mask(t, gen) for _ in range(slots)]).to(device())
+    prefix = (torch.tensor([[0], [33], [70]], device=q.device) + torch.arange(t, device=q.device))[:, 0]
+    got = triton_kernel.tree_attention(q, k[:slots], v[:slots], masks, prefix, 0.25, split_rows, exact=True)
+    for s in range(slots):
+        alone = triton_kernel.tree_attention(q[s : s + 1], k[s : s + 1], v[s : s + 1], masks[s], prefix[s], 0.25,
+                                             split_rows, exact=True)
+        assert torch.equal(got[s : s + 1], alone), s
+
+
+def test_path_kernel_compiles_ahead_of_time():
+    """The path kernel, split and direct forms, lowers to PTX and assembles for sm_80 and sm_90 with no GPU."""
+    code = ("import json\nfrom glance_rt.plugins import tree_attention_triton as m\nout = []\n"
+            "for arch, dtype, d, partial, bt in [(90, 'bfloat16', 128, True, 64), (80, 'float32', 64, False, 16)]:\n"
+            "    k = m.compile_path_aot(dtype, d, 7, d ** -0.5, arch, m.SPLIT_ROWS, partial, bt)\n"
+            "    out.append([k.metadata.name, len(k.asm['cubin']), f'.target sm_{arch}' in k.asm['ptx']])\n"
+            "print(json.dumps(out))")
+    got = run_without_interpreter(code)
+    assert [name for name, _, _ in got] == ["tree_attention_path_kernel"] * 2
     assert all(cubin > 0 and target for _, cubin, target in got)

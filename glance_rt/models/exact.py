@@ -15,17 +15,22 @@ keeps the fast kernels) runs:
   planted variant whose reduction depends on the row count is caught: tests/test_exact.py). On CUDA,
   the Triton matmul of `glance_rt.plugins.matmul_triton` instead (fixed tiles, no split-K; through
   Triton's interpreter here, not yet run on a GPU);
-- attention one row at a time over the row's own visible cache rows gathered in cache order
-  (`row_attention`): the committed prefix, its ancestors, itself. That is the sequence of keys an
-  autoregressive step at the same position reads once its ancestors are committed (the commit moves
-  accepted rows together), so both make the same call on the same data. The tree's gaps (rows of other
-  branches between a row and its ancestors) never enter a reduction.
+- attention one row at a time over the row's own visible cache rows in cache order: the committed
+  prefix, its ancestors, itself. That is the sequence of keys an autoregressive step at the same
+  position reads once its ancestors are committed (the commit moves accepted rows together), so both
+  make the same call on the same data. The tree's gaps (rows of other branches between a row and its
+  ancestors) never enter a reduction. On CUDA, the Triton kernel's path kernel
+  (`tree_attention(..., exact=True)` in `glance_rt.plugins.tree_attention_triton`): one launch for
+  every row and sequence of a pass, each program walking one row's path through the cache where it
+  lies (no gathered copies; reads prefix_len on the device, so CUDA graphs capture it). On a CPU, torch
+  SDPA over the rows gathered (`row_attention`, `static_row_attention`).
 
 Norms, activations, rotary embeddings and the residual adds work row by row and are left as they are.
-Eager passes gather each row's rows to their exact count (`row_attention`: it reads the prefix length
-on the host); fixed-shape passes (backend="compile", CUDA graphs) gather them to the front of a
-sequence as long as the cache and mask the rest (`static_row_attention`: no host read). Each backend's
-AR and GLANCE agree bit for bit; the two backends need not agree with each other.
+On a CPU, eager passes gather each row's rows to their exact count (`row_attention`: it reads the prefix
+length on the host); fixed-shape passes (backend="compile") gather them to the front of a sequence as
+long as the cache and mask the rest (`static_row_attention`: no host read). Each backend's AR and GLANCE
+agree bit for bit; there the two backends need not agree with each other (on CUDA both run the path
+kernel).
 """
 
 from dataclasses import dataclass
@@ -52,8 +57,27 @@ class ExactNumerics:
 
     @property
     def attention(self):
-        """The attention of these numerics, for one sequence or a batch (`per_sequence`)."""
-        return partial(per_sequence, static_row_attention if self.static else row_attention)
+        """The attention of these numerics, for one sequence or a batch (`exact_attention`)."""
+        return partial(exact_attention, static=self.static)
+
+
+def exact_attention(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len: Tensor, scale: float,
+                    static: bool) -> Tensor:
+    """Attention in exact numerics, shapes as `glance::tree_attention` (one sequence or a batch): on CUDA
+    the Triton path kernel, one launch (`path_attention`); elsewhere sequence by sequence, each row over
+    its gathered rows (`static`: at the cache's fixed length, `static_row_attention`)."""
+    if q.is_cuda:
+        return path_attention(q, k, v, tree_mask, prefix_len, scale)
+    return per_sequence(static_row_attention if static else row_attention, q, k, v, tree_mask, prefix_len, scale)
+
+
+def path_attention(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len: Tensor, scale: float,
+                   split_rows: int | None = None) -> Tensor:
+    """The Triton path kernel (CUDA; CPU tensors through Triton's interpreter): every query row the bits of
+    the autoregressive step at its position. `split_rows`: the split-KV size (None: the kernel's own)."""
+    from glance_rt.plugins import tree_attention_triton as kernel
+
+    return kernel.tree_attention(q, k, v, tree_mask, prefix_len, scale, split_rows or kernel.SPLIT_ROWS, exact=True)
 
 
 class RowBlockLinear(nn.Module):
