@@ -48,7 +48,7 @@ def test_verify_rows_are_ar_steps_bit_for_bit(arch, dtype):
 def through_the_path_kernel(q, k, v, tree_mask, prefix_len, scale, static):
     """Exact attention as CUDA runs it (the Triton path kernel; here through Triton's interpreter), with
     splits of 32 rows so that the paths (35 prompt rows + up to 6) cross a split boundary."""
-    return exact.path_attention(q, k, v, tree_mask, prefix_len, scale, split_rows=32)
+    return exact.path_attention(q, k, v, tree_mask, prefix_len, scale, 32)  # the op, as CUDA calls it
 
 
 @pytest.mark.usefixtures("interpreter_bf16_dot")
@@ -62,6 +62,36 @@ def test_verify_rows_are_ar_steps_through_the_path_kernel(dtype, monkeypatch):
     monkeypatch.setattr(exact, "exact_attention", through_the_path_kernel)
     checks = row_agreement(target, PROMPT, *TREE, numerics="exact", static=True)
     assert all(c.equal for c in checks), [(c.row, c.max_diff) for c in checks if not c.equal]
+
+
+def test_the_cuda_kernels_are_ops_that_compile_whole():
+    """Exact numerics' CUDA kernels are custom ops (`glance::path_attention`, `glance::invariant_linear`):
+    a compiled pass traces each as one node, with no graph break (fullgraph), and gets the kernels'
+    results (run here through Triton's interpreter)."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from tests.test_attention import random_tree_mask
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 5, 16, generator=g)
+    k, v = (torch.randn(1, 2, 40, 16, generator=g) for _ in range(2))
+    mask, prefix = random_tree_mask(5, g), torch.tensor(20)
+    x, w, b = torch.randn(3, 32, generator=g), torch.randn(24, 32, generator=g), torch.randn(24, generator=g)
+
+    def passes(q, k, v, mask, prefix, x, w, b):
+        return exact.path_attention(q, k, v, mask, prefix, 0.25, 16), exact.invariant_linear(x, w, b)
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    got = torch.compile(passes, fullgraph=True, backend=backend)(q, k, v, mask, prefix, x, w, b)
+    want = passes(q, k, v, mask, prefix, x, w, b)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.glance.path_attention.default in targets and torch.ops.glance.invariant_linear.default in targets
+    torch.testing.assert_close(want[1], F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 def test_row_block_linear_is_the_linear_and_row_invariant():

@@ -64,20 +64,45 @@ class ExactNumerics:
 def exact_attention(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len: Tensor, scale: float,
                     static: bool) -> Tensor:
     """Attention in exact numerics, shapes as `glance::tree_attention` (one sequence or a batch): on CUDA
-    the Triton path kernel, one launch (`path_attention`); elsewhere sequence by sequence, each row over
-    its gathered rows (`static`: at the cache's fixed length, `static_row_attention`)."""
+    the Triton path kernel, one launch (`glance::path_attention`); elsewhere sequence by sequence, each
+    row over its gathered rows (`static`: at the cache's fixed length, `static_row_attention`)."""
     if q.is_cuda:
-        return path_attention(q, k, v, tree_mask, prefix_len, scale)
+        return path_attention(q, k, v, tree_mask, prefix_len, scale, 0)
     return per_sequence(static_row_attention if static else row_attention, q, k, v, tree_mask, prefix_len, scale)
 
 
+# The CUDA kernels of exact numerics are custom ops, as the fast attention is (`glance::tree_attention`):
+# opaque to dynamo, so compiled passes and CUDA graphs call them as they are (CPU tensors run them through
+# Triton's interpreter, as the tests do). They are not exported: ONNX Runtime and TensorRT builds refuse
+# exact numerics.
+
+
+@torch.library.custom_op("glance::path_attention", mutates_args=())
 def path_attention(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len: Tensor, scale: float,
-                   split_rows: int | None = None) -> Tensor:
-    """The Triton path kernel (CUDA; CPU tensors through Triton's interpreter): every query row the bits of
-    the autoregressive step at its position. `split_rows`: the split-KV size (None: the kernel's own)."""
+                   split_rows: int) -> Tensor:
+    """The Triton path kernel: every query row the bits of the autoregressive step at its position (shapes
+    as `glance::tree_attention`). `split_rows`: the split-KV size (0: the kernel's own)."""
     from glance_rt.plugins import tree_attention_triton as kernel
 
     return kernel.tree_attention(q, k, v, tree_mask, prefix_len, scale, split_rows or kernel.SPLIT_ROWS, exact=True)
+
+
+@path_attention.register_fake
+def _(q, k, v, tree_mask, prefix_len, scale, split_rows):
+    return q.new_empty(q.shape)  # contiguous, as the kernel returns
+
+
+@torch.library.custom_op("glance::invariant_linear", mutates_args=())
+def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x [..., K] @ weight.T (+ bias) by the row-invariant Triton matmul (`glance_rt.plugins.matmul_triton`)."""
+    from glance_rt.plugins.matmul_triton import invariant_linear as launch
+
+    return launch(x, weight, bias)
+
+
+@invariant_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 class RowBlockLinear(nn.Module):
@@ -93,8 +118,6 @@ class RowBlockLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.is_cuda and isinstance(self.linear, nn.Linear):
-            from glance_rt.plugins.matmul_triton import invariant_linear
-
             return invariant_linear(x, self.linear.weight, self.linear.bias)
         lead, k = x.shape[:-1], x.shape[-1]
         rows = x.reshape(-1, k)  # [n, K]
