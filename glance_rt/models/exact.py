@@ -47,10 +47,10 @@ EXACT_ROWS = 8  # rows of every GEMM of an exact decode pass
 
 @dataclass(frozen=True)
 class ExactNumerics:
-    """How a decoder's decode passes run in exact numerics: every GEMM at `rows` rows; attention row by
-    row over each row's visible cache rows, gathered to their exact count (`row_attention`, eager
-    passes) or, `static`, to the fixed length of the cache (`static_row_attention`: no host reads, so
-    compiled graphs and CUDA graphs carry it)."""
+    """How a decoder's decode passes run in exact numerics: every GEMM at `rows` rows (on CUDA the Triton
+    matmul); attention row by row over each row's visible cache rows: on CUDA the Triton path kernel, on
+    a CPU the rows gathered to their exact count (`row_attention`, eager passes) or, `static`, to the
+    fixed length of the cache (`static_row_attention`: no host reads, so compiled graphs carry it)."""
 
     rows: int = EXACT_ROWS
     static: bool = False
