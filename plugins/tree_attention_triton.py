@@ -204,6 +204,28 @@ def _fold_tile(s, v, m_i, l_i, acc):
 
 
 @triton.jit
+def _empty_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The running (m, l, acc) before any row: m finite (an empty tile gives p = 0, not NaN), l and acc 0."""
+    return (tl.full([BLOCK_M], M_START, tl.float32), tl.zeros([BLOCK_M], tl.float32),
+            tl.zeros([BLOCK_M, BLOCK_D], tl.float32))
+
+
+@triton.jit
+def _store_out(out_ptr, q_off, acc, l_i, ok):
+    """Normalise the state and store it in the output's dtype at q_off [M, D] where `ok`."""
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _store_partial(acc_ptr, ml_ptr, part, d, r_ok, d_ok, m_i, l_i, acc, HEAD_DIM: tl.constexpr):
+    """A split's state into the scratch rows `part` [M] (acc [.., D], ml [.., 2]; fp32)."""
+    tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
+    tl.store(ml_ptr + part * 2, m_i, mask=r_ok)
+    tl.store(ml_ptr + part * 2 + 1, l_i, mask=r_ok)
+
+
+@triton.jit
 def _query_tile(seq, T, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_D: tl.constexpr):
     """This program's folded query rows of its KV head (program_id 1) in sequence `seq`: head kvh*G + r // T,
@@ -232,13 +254,10 @@ def tree_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_ROWS,
     r, t, d, r_ok, d_ok, q_off = _query_tile(seq, T, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D)
     q = tl.load(q_ptr + q_off, mask=r_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
     mask_ptr, prefix, kv_base = _sequence(seq, mask_ptr, prefix_ptr, T, KV_ROWS, KV_BATCH, HEAD_DIM)
-    m_i = tl.full([BLOCK_M], M_START, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = _empty_state(BLOCK_M, BLOCK_D)
     m_i, l_i, acc = _attend_rows(q, k_ptr, v_ptr, mask_ptr, kv_base, prefix, T, t, r_ok, d, d_ok, 0, prefix + T,
                                  m_i, l_i, acc, HEAD_DIM, SCALE, BLOCK_N)  # rows past the queries' never read
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+    _store_out(out_ptr, q_off, acc, l_i, r_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -254,17 +273,13 @@ def tree_attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV
     if lo < prefix + T:  # a split past the queries' own rows has nothing to read (and the combine skips it)
         r, t, d, r_ok, d_ok, q_off = _query_tile(seq, T, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D)
         q = tl.load(q_ptr + q_off, mask=r_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
-        m_i = tl.full([BLOCK_M], M_START, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m_i, l_i, acc = _empty_state(BLOCK_M, BLOCK_D)
         hi = tl.minimum(lo + SPLIT_ROWS, prefix + T)
         m_i, l_i, acc = _attend_rows(q, k_ptr, v_ptr, mask_ptr, kv_base, prefix, T, t, r_ok, d, d_ok, lo, hi,
                                      m_i, l_i, acc, HEAD_DIM, SCALE, BLOCK_N)
         head = seq * tl.num_programs(1) + tl.program_id(1)  # the (sequence, KV head) pair
         part = (head.to(tl.int64) * SPLITS + split) * (GROUPS * T) + r  # [M] rows of the scratch
-        tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
-        tl.store(ml_ptr + part * 2, m_i, mask=r_ok)
-        tl.store(ml_ptr + part * 2 + 1, l_i, mask=r_ok)
+        _store_partial(acc_ptr, ml_ptr, part, d, r_ok, d_ok, m_i, l_i, acc, HEAD_DIM)
 
 
 @triton.jit
@@ -277,9 +292,7 @@ def tree_attention_combine_kernel(acc_ptr, ml_ptr, prefix_ptr, T, SPLITS, out_pt
     r, t, d, r_ok, d_ok, q_off = _query_tile(seq, T, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D)
     head = seq * tl.num_programs(1) + tl.program_id(1)  # the (sequence, KV head) pair
     live = tl.cdiv(tl.load(prefix_ptr + seq).to(tl.int32) + T, SPLIT_ROWS)
-    m_i = tl.full([BLOCK_M], M_START, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = _empty_state(BLOCK_M, BLOCK_D)
     for split in range(0, live):
         part = (head.to(tl.int64) * SPLITS + split) * (GROUPS * T) + r  # [M]
         m_s = tl.load(ml_ptr + part * 2, mask=r_ok, other=M_START)
@@ -291,8 +304,7 @@ def tree_attention_combine_kernel(acc_ptr, ml_ptr, prefix_ptr, T, SPLITS, out_pt
         l_i = l_i * alpha + l_s * beta
         acc = acc * alpha[:, None] + acc_s * beta[:, None]
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+    _store_out(out_ptr, q_off, acc, l_i, r_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -322,19 +334,14 @@ def tree_attention_path_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_
         head = seq * tl.num_programs(1) + tl.program_id(1)  # the (sequence, KV head) pair
         q_off = (head.to(tl.int64) * (GROUPS * T) + r)[:, None] * HEAD_DIM + d[None, :]
         q = tl.load(q_ptr + q_off, mask=r_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
-        m_i = tl.full([BLOCK_M], M_START, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m_i, l_i, acc = _empty_state(BLOCK_M, BLOCK_D)
         m_i, l_i, acc = _attend_path(q, k_ptr, v_ptr, kv_base, prefix, counts, c < T, d, d_ok, lo, hi,
                                      m_i, l_i, acc, HEAD_DIM, SCALE, BLOCK_N)
         if PARTIAL:
             part = (head.to(tl.int64) * SPLITS + split) * (GROUPS * T) + r  # [M] rows of the scratch
-            tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
-            tl.store(ml_ptr + part * 2, m_i, mask=r_ok)
-            tl.store(ml_ptr + part * 2 + 1, l_i, mask=r_ok)
+            _store_partial(acc_ptr, ml_ptr, part, d, r_ok, d_ok, m_i, l_i, acc, HEAD_DIM)
         else:
-            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+            _store_out(out_ptr, q_off, acc, l_i, r_ok[:, None] & d_ok[None, :])
 
 
 def grid(rows, kv_heads: int, block_m: int, sequences: int = 1) -> tuple:
@@ -384,12 +391,27 @@ def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int
         return out
     tiles = blocks(d, dtype, split_rows) | tune
     tiles["BLOCK_M"] = block_m or split_block_m(groups * t)
-    acc = torch.empty(seqs, kv_heads, splits, groups * t, d, dtype=torch.float32, device=q.device)  # scratch
-    ml = torch.empty(seqs, kv_heads, splits, groups * t, 2, dtype=torch.float32, device=q.device)
+    acc, ml = _scratch(q, kv_heads, splits)
     tree_attention_split_kernel[grid(groups * t, kv_heads, tiles["BLOCK_M"], seqs * splits)](
         q, k, v, mask, prefix, t, *strides, splits, acc, ml, SCALE=float(scale), SPLIT_ROWS=split_rows,
         **tiles, **common)
-    tree_attention_combine_kernel[grid(groups * t, kv_heads, COMBINE_BLOCK_M, seqs)](  # rows fold independently
+    return _combine(acc, ml, prefix, t, out, split_rows, tiles, common)
+
+
+def _scratch(q, kv_heads: int, splits: int) -> tuple:
+    """The splits' partial states: acc [B, KVH, SPLITS, G*T, D] and ml [B, KVH, SPLITS, G*T, 2], fp32."""
+    import torch
+
+    seqs, heads, t, d = q.shape
+    rows = heads // kv_heads * t
+    return (torch.empty(seqs, kv_heads, splits, rows, d, dtype=torch.float32, device=q.device),
+            torch.empty(seqs, kv_heads, splits, rows, 2, dtype=torch.float32, device=q.device))
+
+
+def _combine(acc, ml, prefix, t: int, out, split_rows: int, tiles: dict, common: dict):
+    """The combine kernel over the scratch `_scratch` made (rows fold independently: small query tiles)."""
+    seqs, kv_heads, splits, rows = acc.shape[:4]
+    tree_attention_combine_kernel[grid(rows, kv_heads, COMBINE_BLOCK_M, seqs)](
         acc, ml, prefix, t, splits, out, SPLIT_ROWS=split_rows, BLOCK_M=COMBINE_BLOCK_M,
         BLOCK_D=tiles["BLOCK_D"], **common)
     return out
@@ -399,8 +421,6 @@ def _path_attention(q, k, v, mask, prefix, t: int, strides: tuple, out, splits: 
                     scale: float, tiles: dict, common: dict):
     """`tree_attention(..., exact=True)`'s launches: the path kernel over (query row x head tile, KV head,
     sequence x split), then the combine kernel where the cache has several splits."""
-    import torch
-
     seqs, kv_heads, groups = q.shape[0], k.shape[1], common["GROUPS"]
     rows = t * triton.cdiv(groups, tiles["BLOCK_M"])  # programs on axis 0: a query row's head tiles
     path = dict(SCALE=scale, SPLIT_ROWS=split_rows or 0, PARTIAL=splits > 1,
@@ -408,14 +428,10 @@ def _path_attention(q, k, v, mask, prefix, t: int, strides: tuple, out, splits: 
     if splits == 1:
         tree_attention_path_kernel[(rows, kv_heads, seqs)](q, k, v, mask, prefix, t, *strides, 1, out, out, out, **path)
         return out
-    acc = torch.empty(seqs, kv_heads, splits, groups * t, q.shape[3], dtype=torch.float32, device=q.device)
-    ml = torch.empty(seqs, kv_heads, splits, groups * t, 2, dtype=torch.float32, device=q.device)
+    acc, ml = _scratch(q, kv_heads, splits)
     tree_attention_path_kernel[(rows, kv_heads, seqs * splits)](q, k, v, mask, prefix, t, *strides, splits, out,
                                                                 acc, ml, **path)
-    tree_attention_combine_kernel[grid(groups * t, kv_heads, COMBINE_BLOCK_M, seqs)](
-        acc, ml, prefix, t, splits, out, SPLIT_ROWS=split_rows, BLOCK_M=COMBINE_BLOCK_M,
-        BLOCK_D=tiles["BLOCK_D"], **common)
-    return out
+    return _combine(acc, ml, prefix, t, out, split_rows, tiles, common)
 
 
 def compile_aot(dtype: str, head_dim: int, groups: int, scale: float, arch: int = 90):
