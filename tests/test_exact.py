@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import glance_rt
 import glance_rt.models.exact as exact
 from glance_rt.models.attention import tree_attention_reference
+from glance_rt.models.linear import can_pack
 from glance_rt.tools.numerics import row_agreement, tree_mask
 from tests.conftest import OracleDrafter, tiny_target
 from tests.tiny_models import ARCHS, make_inputs, make_tiny
@@ -37,11 +38,24 @@ def test_verify_rows_are_ar_steps_bit_for_bit(arch, dtype):
     target, _ = loaded(arch, dtype)
     checks = row_agreement(target, PROMPT, *TREE, numerics="exact")
     assert all(c.equal for c in checks), [(c.row, c.max_diff) for c in checks if not c.equal]
-    if dtype == "float32":  # and with oneDNN's prepacked kernels (fp32 on a CPU), called at the block's rows
+    if can_pack(target.parts.lm_head.weight):  # and with oneDNN's prepacked kernels, called at the block's rows
         checks = row_agreement(target, PROMPT, *TREE, kernels=True, numerics="exact")
         assert all(c.equal for c in checks), [(c.row, c.max_diff) for c in checks if not c.equal]
     # as fixed-shape passes run it: every pass over all cache rows, the visible ones gathered to the front
     checks = row_agreement(target, PROMPT, *TREE, numerics="exact", static=True)
+    assert all(c.equal for c in checks), [(c.row, c.max_diff) for c in checks if not c.equal]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_on_both_sides_of_a_key_bucket_are_ar_steps(dtype):
+    """Eager exact attention pads each row's keys to a multiple of EXACT_KEYS and batches the rows of one
+    length: after a 60-token prompt the tree's rows see 61-66 cache rows, so a verify pass attends in two
+    batched calls (64 and 128 keys) and every row still gets its AR step's bits."""
+    target, _ = loaded("qwen2_5_vl", dtype)
+    prompt = list(range(5, 65))
+    counts = len(prompt) + tree_mask(TREE[1]).sum(1)
+    assert set(exact.keys_for(counts).tolist()) == {64, 128}
+    checks = row_agreement(target, prompt, *TREE, numerics="exact")
     assert all(c.equal for c in checks), [(c.row, c.max_diff) for c in checks if not c.equal]
 
 
