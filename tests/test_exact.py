@@ -204,6 +204,34 @@ def test_oracle_and_decoy_drafters_in_bf16(kind):
             assert res.stats.mean_accepted > 3
 
 
+def test_exact_glance_and_its_ar_run_the_same_kernels():
+    """Exact numerics' linears run the kernel timed at exactly the block's rows, laid out for them, whatever
+    the decoder's budgets: a GLANCE decoder and its AR (other row classes, other verify layouts) hold the
+    same modules and commit the same tokens. Timings that favour oneDNN from 9 rows up made them differ
+    before (each took its nearest row class's kernel: 9 rows for GLANCE, 1 for its AR; the bf16 bench of
+    2026-12-05 found 4 of 10 prompts differing that way)."""
+    from glance_rt.models.kernels import KERNELS, KernelTuner, kernel_of
+
+    def timer(out_f, in_f, rows, dtype):
+        best = "onednn" if rows >= 9 else "mkl_t"
+        return {k: 1.0 if k == best else 2.0 for k in KERNELS}
+
+    tuner = KernelTuner(timer=timer, cache=False, pass_timer=lambda key, runs: {"plan": 1.0, "plain": 2.0})
+    target, processor = loaded("llama", "bfloat16")
+    inputs = make_inputs("llama", processor, prompt="Say something long about the sea.", n_images=0)
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=8, seed=2)
+    glance = glance_rt.Decoder(target, drafter, max_length=256, gate=False, numerics="exact", prepack=tuner)
+    ar = glance_rt.Decoder(target, None, max_length=256, numerics="exact", prepack=tuner)
+
+    def exact_linears(dec):
+        return [m.linear for m in dec.verifier.modules() if isinstance(m, exact.RowBlockLinear)]
+
+    assert {kernel_of(m) for m in exact_linears(glance)} == {"mkl_t"}  # the choice at the block's 8 rows
+    assert all(a is b for a, b in zip(exact_linears(glance), exact_linears(ar), strict=True))
+    want = ar.generate(max_new_tokens=NEW, **inputs).token_ids
+    assert glance.generate(max_new_tokens=NEW, **inputs).token_ids == want
+
+
 def test_eagle3_head_in_exact_numerics():
     from tests.test_eagle3_decode import eagle3
 

@@ -552,7 +552,7 @@ def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], k
     if fuse is None:
         fuse = target.parts.lm_head.weight.is_cuda
     verifier = TargetDecoder(target.parts, max_len, layers, plan=plans[0], fuse=fuse and plans[0] is None,
-                             exact=exact, slots=slots)
+                             exact=exact, slots=slots, exact_plan=exact_kernel_plan(kernels, exact, target.layouts))
     return verifier, drafter
 
 
@@ -565,6 +565,17 @@ def kernel_plans(kernels, verify_rows: tuple[int, ...], block: int, layouts: dic
     layouts = {} if layouts is None else layouts
     verify = KernelPlan(max(verify_rows), (*verify_rows, PREFILL_ROWS), tuner, layouts=layouts)
     return verify, KernelPlan(block, (block, PREFILL_ROWS), tuner, layouts=layouts)
+
+
+def exact_kernel_plan(kernels, exact: ExactNumerics | None, layouts: dict | None = None) -> KernelPlan | None:
+    """The kernels of exact numerics' decode passes for `round_modules`' `kernels`: each weight's kernel as
+    timed at exactly `exact.rows` rows and laid out for them, with no pass check: what a decoder's budgets
+    and drafter do not change, so a GLANCE decoder and its autoregression run the same kernels (the same
+    engine) and commit the same tokens. None: plain weights, or fast numerics."""
+    if kernels is None or exact is None:
+        return None
+    return KernelPlan(exact.rows, (exact.rows,), None if kernels is True else kernels,
+                      layouts={} if layouts is None else layouts)
 
 
 def static_graphs(target, drafter, max_len: int, exact: ExactNumerics | None = None, slots: int = 1) -> StaticGraphs:
