@@ -6,7 +6,6 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from glance_rt.engines import aoti, onnxruntime
@@ -204,8 +203,7 @@ def choose_flavor(backend: str, flavor: str | None, target, drafter, budgets, ch
     tuner's margin. The flavor is then the graphs' common one, or "mixed". Otherwise the backend's
     default. The record names the machine, so a load on another CPU can say so."""
     record = {"machine": machine(), "chosen_by": "user" if flavor is not None else "default"}
-    head = target.parts.lm_head.weight  # frozen (Inductor-packed) graphs are measured in fp32 only
-    if flavor is not None or backend != "aoti" or head.dtype != torch.float32 or not can_pack(head):
+    if flavor is not None or backend != "aoti" or not can_pack(target.parts.lm_head.weight):
         return flavor or FLAVORS[backend][0], None, record
     tuner = tuner or KernelTuner()
     calls = graph_linears(target, drafter, budgets, chain, chunk)

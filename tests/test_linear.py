@@ -43,14 +43,11 @@ def test_decoder_prepacks_only_where_it_applies():
     assert not glance_rt.Decoder(target, d, tree_budget=6, prepack=False).prepack
     assert glance_rt.Decoder(target, d, tree_budget=6).prepack  # "auto": kernels chosen per layer
     assert glance_rt.Decoder(target, d, tree_budget=6, backend="compile").prepack
-    # bf16 and fp16 where this CPU's oneDNN runs them; never float64
-    assert can_pack(torch.zeros(1, dtype=torch.bfloat16)) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert can_pack(torch.zeros(1, dtype=torch.float16)) == torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    assert not can_pack(torch.zeros(1, dtype=torch.float64))
-    f64 = type("T", (), {"parts": type("P", (), {"lm_head": nn.Linear(2, 2).double()}),
-                         "device": torch.device("cpu")})()  # the default backend is the target device's
-    with pytest.raises(GlanceError, match="prepack=True needs weights oneDNN can pack"):
-        glance_rt.Decoder(f64, None, prepack=True)
+    assert not can_pack(torch.zeros(1, dtype=torch.bfloat16))  # fp32 only (bf16 targets keep nn.Linear)
+    bf16 = type("T", (), {"parts": type("P", (), {"lm_head": nn.Linear(2, 2).bfloat16()}),
+                          "device": torch.device("cpu")})()  # the default backend is the target device's
+    with pytest.raises(GlanceError, match="prepack=True needs fp32 weights"):
+        glance_rt.Decoder(bf16, None, prepack=True)
 
 
 def test_swapped_linears_runs_hf_generate_packed_and_puts_the_modules_back():

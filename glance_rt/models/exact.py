@@ -26,9 +26,8 @@ keeps the fast kernels) runs:
   SDPA over the rows gathered (`row_attention`, `static_row_attention`).
 
 Norms, activations, rotary embeddings and the residual adds work row by row and are left as they are.
-On a CPU, eager passes gather each row's rows to the front of a key sequence of its count rounded up to
-`EXACT_KEYS`, the rows of one length in one batched call (`row_attention`: it reads the prefix length
-on the host); fixed-shape passes (backend="compile") gather them to the front of a sequence as
+On a CPU, eager passes gather each row's rows to their exact count (`row_attention`: it reads the prefix
+length on the host); fixed-shape passes (backend="compile") gather them to the front of a sequence as
 long as the cache and mask the rest (`static_row_attention`: no host read). Each backend's AR and GLANCE
 agree bit for bit; there the two backends need not agree with each other (on CUDA both run the path
 kernel).
@@ -44,16 +43,14 @@ from torch import Tensor, nn
 from glance_rt.models.attention import per_sequence, visibility
 
 EXACT_ROWS = 8  # rows of every GEMM of an exact decode pass
-EXACT_KEYS = 64  # eager exact attention: each row's key sequence padded to a multiple of this (`row_attention`)
 
 
 @dataclass(frozen=True)
 class ExactNumerics:
     """How a decoder's decode passes run in exact numerics: every GEMM at `rows` rows (on CUDA the Triton
     matmul); attention row by row over each row's visible cache rows: on CUDA the Triton path kernel, on
-    a CPU the rows gathered to their count rounded up to `EXACT_KEYS` (`row_attention`, eager passes) or,
-    `static`, to the fixed length of the cache (`static_row_attention`: no host reads, so compiled graphs
-    carry it)."""
+    a CPU the rows gathered to their exact count (`row_attention`, eager passes) or, `static`, to the
+    fixed length of the cache (`static_row_attention`: no host reads, so compiled graphs carry it)."""
 
     rows: int = EXACT_ROWS
     static: bool = False
@@ -133,40 +130,19 @@ class RowBlockLinear(nn.Module):
 
 
 def row_attention(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len: Tensor, scale: float) -> Tensor:
-    """`glance::tree_attention`'s result (shapes as `tree_attention_reference`): each query row attends
-    its visible cache rows (the prefix, its ancestors, itself: n rows) gathered in cache order to the
-    front of a sequence of `keys_for(n)` rows, the rest masked out. An AR step at the same position
-    sees the same n rows, so it reads the same keys at the same places of a sequence of the same length.
-    Rows whose sequences are as long run as one batched call (each row one batch item, as an AR step is
-    alone): a verify pass makes one or two calls a layer, not one per row. q [1, H, T, D]; k, v
-    [1, KVH, L, D]."""
-    kv_heads, h, t, d = k.shape[1], q.shape[1], q.shape[2], q.shape[3]
+    """`glance::tree_attention`'s result (shapes as `tree_attention_reference`) computed one query row at
+    a time over its visible cache rows gathered in order: q [1, H, T, D]; k, v [1, KVH, L, D]."""
+    kv_heads, d = k.shape[1], q.shape[3]
+    groups, t = q.shape[1] // kv_heads, q.shape[2]
     p = int(prefix_len)
-    counts = p + tree_mask.sum(1)  # [T]: rows each query sees
-    keys = keys_for(counts)  # [T]
-    longest = int(keys.max())
-    # idx[i, :counts[i]]: row i's visible cache rows in order (the prefix, then its tree rows); 0 past them
-    idx = torch.zeros(t, longest, dtype=torch.long, device=q.device)  # [T, K]
-    idx[:, :p] = torch.arange(p, device=q.device)
-    r, c = tree_mask.nonzero(as_tuple=True)
-    idx[r, p + tree_mask.cumsum(1)[r, c] - 1] = p + c
-    keep = torch.arange(longest, device=q.device)[None, :] < counts[:, None]  # [T, K]
-    qt = q[0].transpose(0, 1).reshape(t, kv_heads, h // kv_heads, d)  # [T, KVH, G, D]
-    out = q.new_empty(t, kv_heads, h // kv_heads, d)  # [T, KVH, G, D]
-    for n in keys.unique().tolist():
-        rows = (keys == n).nonzero()[:, 0]  # [R]
-        sel = idx[rows, :n]  # [R, n]
-        kg = k[0][:, sel].transpose(0, 1)  # [R, KVH, n, D]
-        vg = v[0][:, sel].transpose(0, 1)
-        mask = keep[rows, None, None, :n]  # [R, 1, 1, n]
-        out[rows] = F.scaled_dot_product_attention(qt[rows], kg, vg, attn_mask=mask, scale=scale)
-    return out.reshape(t, h, d).transpose(0, 1)[None]  # [1, H, T, D]
-
-
-def keys_for(counts: Tensor) -> Tensor:
-    """The length of the key sequence a row seeing `counts` cache rows attends over in eager exact
-    attention (`row_attention`): `counts` rounded up to a multiple of `EXACT_KEYS`."""
-    return (counts + EXACT_KEYS - 1) // EXACT_KEYS * EXACT_KEYS
+    prefix = torch.arange(p, device=q.device)
+    out = []
+    for i in range(t):
+        seen = torch.cat([prefix, p + tree_mask[i].nonzero()[:, 0]])  # [n]: the prefix, its ancestors, itself
+        qi = q[:, :, i].reshape(1, kv_heads, groups, d)  # [1, KVH, G, D]
+        oi = F.scaled_dot_product_attention(qi, k[:, :, seen], v[:, :, seen], scale=scale)  # [1, KVH, G, D]
+        out.append(oi.reshape(1, kv_heads * groups, 1, d))
+    return torch.cat(out, 2)  # [1, H, T, D]
 
 
 def static_row_attention(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len: Tensor,

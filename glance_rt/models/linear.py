@@ -4,8 +4,7 @@ On x86 CPUs the passes are GEMMs of a few rows (a tree of 17-33 rows, a draft bl
 the weights. PyTorch's CPU `linear` calls MKL, whose fp32 GEMM for such shapes is slow on CPUs
 other than Intel's (measurements in docs/engines.md). `PackedLinear` reorders the weight once into
 oneDNN's blocked layout (`mkldnn._reorder_linear_weight`) and runs `mkldnn._linear_pointwise`:
-the same product, other summation order (fp32 rounding, like any other kernel). bf16 and fp16 weights
-too, where oneDNN runs them on this CPU (`can_pack`).
+the same product, other summation order (fp32 rounding, like any other kernel).
 
 The product is one named op, `glance::packed_linear`, whose packed weight is an opaque object
 (`PackedWeight`): torch.compile keeps it as one extern call and fuses everything around it, so the
@@ -25,17 +24,9 @@ from torch._opaque_base import OpaqueBase
 
 
 def can_pack(weight: Tensor) -> bool:
-    """oneDNN prepacking applies to a CPU weight with oneDNN (mkldnn) enabled: fp32, and bf16 or fp16 where
-    oneDNN runs that dtype on this CPU (AVX-512 BF16/FP16 or AMX; there a bf16 PackedLinear ran 1.5-2x
-    faster than torch's own linear at a round's row counts, which reorders the weight every call:
-    docs/benchmarks.md 2026-12-05 (20:40))."""
-    if not (weight.device.type == "cpu" and torch.backends.mkldnn.enabled and torch.backends.mkldnn.is_available()):
-        return False
-    if weight.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if weight.dtype == torch.float16:
-        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    return weight.dtype == torch.float32
+    """oneDNN prepacking applies to fp32 weights on a CPU with oneDNN (mkldnn) enabled."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.enabled
+            and torch.backends.mkldnn.is_available())
 
 
 class PackedWeight(OpaqueBase):

@@ -208,15 +208,13 @@ class TargetDecoder(nn.Module):
     its gate, up projections run as one GEMM each (`glance_rt.models.fused`: the HF parameters become
     views of one buffer per group, no second copy). `exact`: exact numerics
     (`glance_rt.models.exact`): every call but a prefill (`prefill=True`) runs `exact_stack` and
-    `exact_head`, whose rows each get the bits a one-row call gives them, with `exact_plan`'s kernels
-    (`glance_rt.round.verify.exact_kernel_plan`; None: the plain weights); prefill keeps the plan's.
+    `exact_head`, whose rows each get the bits a one-row call gives them; prefill keeps the plan's.
     `slots`: sequences the cache holds at once (`KVCache`); `forward` runs one (`slot`), `forward_batch`
     several in one pass.
     """
 
     def __init__(self, parts, max_len: int, feature_layers: tuple[int, ...] = (), plan: KernelPlan | None = None,
-                 fuse: bool = False, exact: ExactNumerics | None = None, slots: int = 1,
-                 exact_plan: KernelPlan | None = None):
+                 fuse: bool = False, exact: ExactNumerics | None = None, slots: int = 1):
         super().__init__()
         cfg = parts.text_config
         tm = parts.text_model
@@ -230,9 +228,9 @@ class TargetDecoder(nn.Module):
         self.heads = nn.ModuleList(with_plan(plan, parts.lm_head, rows) for rows in self.row_classes)
         self.exact_stack = self.exact_head = None
         if exact is not None:
-            self.exact_stack = nn.ModuleList(Block(layer, n_heads, n_kv, head_dim, exact_plan, exact.rows, False, exact)
+            self.exact_stack = nn.ModuleList(Block(layer, n_heads, n_kv, head_dim, plan, exact.rows, False, exact)
                                              for layer in tm.layers)
-            self.exact_head = linear_for(exact_plan, parts.lm_head, exact.rows, exact)
+            self.exact_head = linear_for(plan, parts.lm_head, exact.rows, exact)
         self.norm = tm.norm
         self.rotary_emb = tm.rotary_emb
         self.feature_layers = tuple(feature_layers)

@@ -156,8 +156,7 @@ class Decoder:
     (default) on wherever the passes can run one row (engines: built with `--tree-budget 0`), True
     or a `GateConfig` on (an error where it cannot run), False: draft every round.
 
-    `prepack` chooses the kernel of each linear layer (weights on a CPU with oneDNN: fp32, and bf16/fp16
-    where this CPU's oneDNN runs them, `glance_rt.models.linear.can_pack`; eager and
+    `prepack` chooses the kernel of each linear layer (fp32 weights on a CPU with oneDNN, eager and
     compiled alike; engines run the weights they were built from): "auto" (default) times torch's
     own linear against oneDNN's prepacked copy for each weight shape at the round's row counts and
     keeps the faster (`glance_rt.models.kernels`: timings cached per machine, paid once); True:
@@ -313,9 +312,8 @@ class Decoder:
             return None
         if prepack is True:
             if not packable:
-                raise GlanceError("prepack=True needs weights oneDNN can pack (fp32, or bf16/fp16 on a CPU whose "
-                                  "oneDNN runs them) and the eager or compile backend; use prepack='auto' to choose "
-                                  "kernels wherever that applies")
+                raise GlanceError("prepack=True needs fp32 weights on a CPU with oneDNN (mkldnn) and the eager or "
+                                  "compile backend; use prepack='auto' to choose kernels wherever that applies")
             return True
         if prepack == "auto" or isinstance(prepack, KernelTuner):
             return (KernelTuner() if prepack == "auto" else prepack) if packable else None

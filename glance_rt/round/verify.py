@@ -542,17 +542,19 @@ def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], k
         check_target(drafter.head.config, target)
     layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
     block = drafter.config.block_size if isinstance(drafter, GlanceDrafter) else getattr(drafter, "top_k", 1)
-    plans = kernel_plans(kernels, verify_rows, block, target.layouts)  # (an EAGLE-3 depth pass runs top_k rows)
-    plans = checked_plans(target, drafter, plans, layers)
+    verify_plan, draft_plan = kernel_plans(kernels, verify_rows, block, target.layouts)  # (EAGLE-3: top_k rows)
+    verify_plan, draft_plan = checked_plans(target, drafter, (None if exact else verify_plan, draft_plan), layers)
+    if exact is not None:  # the verifier's kernels: nothing the budgets or the drafter change
+        verify_plan = exact_kernel_plan(kernels, exact, target.layouts)
     if isinstance(drafter, GlanceDrafter):
         drafter = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, max_len,
-                            plan=plans[1], slots=slots)
+                            plan=draft_plan, slots=slots)
     elif isinstance(drafter, Eagle3Drafter):
-        drafter = Eagle3Pass(drafter, target.parts.text_model.embed_tokens, max_len, plan=plans[1])
+        drafter = Eagle3Pass(drafter, target.parts.text_model.embed_tokens, max_len, plan=draft_plan)
     if fuse is None:
         fuse = target.parts.lm_head.weight.is_cuda
-    verifier = TargetDecoder(target.parts, max_len, layers, plan=plans[0], fuse=fuse and plans[0] is None,
-                             exact=exact, slots=slots, exact_plan=exact_kernel_plan(kernels, exact, target.layouts))
+    verifier = TargetDecoder(target.parts, max_len, layers, plan=verify_plan, fuse=fuse and verify_plan is None,
+                             exact=exact, slots=slots)
     return verifier, drafter
 
 
@@ -568,13 +570,14 @@ def kernel_plans(kernels, verify_rows: tuple[int, ...], block: int, layouts: dic
 
 
 def exact_kernel_plan(kernels, exact: ExactNumerics | None, layouts: dict | None = None) -> KernelPlan | None:
-    """The kernels of exact numerics' decode passes for `round_modules`' `kernels`: each weight's kernel as
-    timed at exactly `exact.rows` rows and laid out for them, with no pass check: what a decoder's budgets
-    and drafter do not change, so a GLANCE decoder and its autoregression run the same kernels (the same
-    engine) and commit the same tokens. None: plain weights, or fast numerics."""
+    """The verifier's kernels in exact numerics for `round_modules`' `kernels`: each weight's kernel as timed
+    at exactly `exact.rows` rows (the decode passes' blocks) and at `PREFILL_ROWS` (prefill), laid out for
+    the blocks, with no pass check. Nothing in it depends on a decoder's budgets or drafter, so a GLANCE
+    decoder and its autoregression run the same kernels, prefill included (the same engine), and commit
+    the same tokens. None: plain weights, or fast numerics."""
     if kernels is None or exact is None:
         return None
-    return KernelPlan(exact.rows, (exact.rows,), None if kernels is True else kernels,
+    return KernelPlan(exact.rows, (exact.rows, PREFILL_ROWS), None if kernels is True else kernels,
                       layouts={} if layouts is None else layouts)
 
 
