@@ -32,11 +32,13 @@ PROBE_CONTEXT = 128  # committed rows before a timed decode pass
 PROBE_PROMPT = 128  # rows of the timed prefill (a typical chat prompt)
 
 
-def checked_plans(target, drafter, plans: tuple, feature_layers: tuple[int, ...]) -> tuple:
+def checked_plans(target, drafter, plans: tuple, feature_layers: tuple[int, ...], check_verify: bool = True) -> tuple:
     """(verify plan, draft plan) with the classes where a pass ran no faster than plain made plain.
-    Plans without a tuner (oneDNN forced everywhere, or none) are returned as they are."""
+    Plans without a tuner (oneDNN forced everywhere, or none) are returned as they are, and the verify
+    plan when not `check_verify` (exact numerics: the check times fast passes, and two decoders whose
+    timings cannot be cached could decide it differently)."""
     verify, draft = plans
-    if verify is not None and verify.tuner is not None:
+    if check_verify and verify is not None and verify.tuner is not None:
         verify = check_pass("verify", verify, lambda plan, n: TargetDecoder(target.parts, n, feature_layers, plan=plan),
                             probe_verify)
     embed = target.parts.text_model.embed_tokens

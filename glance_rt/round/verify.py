@@ -542,10 +542,12 @@ def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], k
         check_target(drafter.head.config, target)
     layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
     block = drafter.config.block_size if isinstance(drafter, GlanceDrafter) else getattr(drafter, "top_k", 1)
-    verify_plan, draft_plan = kernel_plans(kernels, verify_rows, block, target.layouts)  # (EAGLE-3: top_k rows)
-    verify_plan, draft_plan = checked_plans(target, drafter, (None if exact else verify_plan, draft_plan), layers)
-    if exact is not None:  # the verifier's kernels: nothing the budgets or the drafter change
-        verify_plan = exact_kernel_plan(kernels, exact, target.layouts)
+    # exact numerics: the verifier's kernels timed at the block's rows (and prefill's), laid out for the block,
+    # not pass-checked: nothing a decoder's budgets or drafter change, so a GLANCE decoder and its AR run the
+    # same kernels, prefill included (the same engine), and commit the same tokens
+    rows = verify_rows if exact is None else (exact.rows,)
+    plans = kernel_plans(kernels, rows, block, target.layouts)  # (an EAGLE-3 depth pass runs top_k rows)
+    verify_plan, draft_plan = checked_plans(target, drafter, plans, layers, check_verify=exact is None)
     if isinstance(drafter, GlanceDrafter):
         drafter = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, max_len,
                             plan=draft_plan, slots=slots)
@@ -567,18 +569,6 @@ def kernel_plans(kernels, verify_rows: tuple[int, ...], block: int, layouts: dic
     layouts = {} if layouts is None else layouts
     verify = KernelPlan(max(verify_rows), (*verify_rows, PREFILL_ROWS), tuner, layouts=layouts)
     return verify, KernelPlan(block, (block, PREFILL_ROWS), tuner, layouts=layouts)
-
-
-def exact_kernel_plan(kernels, exact: ExactNumerics | None, layouts: dict | None = None) -> KernelPlan | None:
-    """The verifier's kernels in exact numerics for `round_modules`' `kernels`: each weight's kernel as timed
-    at exactly `exact.rows` rows (the decode passes' blocks) and at `PREFILL_ROWS` (prefill), laid out for
-    the blocks, with no pass check. Nothing in it depends on a decoder's budgets or drafter, so a GLANCE
-    decoder and its autoregression run the same kernels, prefill included (the same engine), and commit
-    the same tokens. None: plain weights, or fast numerics."""
-    if kernels is None or exact is None:
-        return None
-    return KernelPlan(exact.rows, (exact.rows, PREFILL_ROWS), None if kernels is True else kernels,
-                      layouts={} if layouts is None else layouts)
 
 
 def static_graphs(target, drafter, max_len: int, exact: ExactNumerics | None = None, slots: int = 1) -> StaticGraphs:
