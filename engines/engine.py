@@ -73,17 +73,18 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     (onnxruntime and tensorrt, VLM targets): (W, H) image buckets to build vision graphs for.
     `lookup_budget` > 0 adds the verify graph of lookup rounds of that many rows (the CLI adds the
     default's, `default_lookup_budget`); `budgets` stay the tree budgets a load picks among.
-    `numerics` "exact" (aoti only): the decode graphs in exact numerics (`glance_rt.models.exact`, the
-    static form), recorded in the manifest; a load runs them as a Decoder with numerics="exact".
-    `max_batch` > 1 (aoti or onnxruntime, a GLANCE drafter or none): the caches hold that many sequences and
+    `numerics` "exact" (aoti, or onnxruntime with one sequence and a verify graph per bucket): the decode
+    graphs in exact numerics (`glance_rt.models.exact`, the static form), recorded in the manifest; a load
+    runs them as a Decoder with numerics="exact".
+    `max_batch` > 1 (a GLANCE drafter or none): the caches hold that many sequences and
     the engine carries the batched graphs (`StaticGraphs.verify_batch` per (slots, rows) bucket and
     `draft_batch` per slots bucket: aoti a package each; onnxruntime one graph each with symbolic slots and
-    rows, `glance_rt.export.onnx.merge_buckets`) for `glance_rt.Batch`; a load runs a Decoder of that
-    max_batch.
+    rows, `glance_rt.export.onnx.merge_buckets`; tensorrt one engine each over those graphs, with an
+    optimization profile per bucket) for `glance_rt.Batch`; a load runs a Decoder of that max_batch.
     `mapped_weights` (onnxruntime only): a load's sessions all read one memory map of the engine's
     weights file, prepacking off (one copy in memory, slower GEMMs), instead of each prepacking its own.
-    `dynamic_rows` (None: on for onnxruntime and tensorrt, which requires it): the tree buckets' verify
-    graphs as one graph with a symbolic row dimension (`glance_rt.export.onnx.merge_buckets`): one ONNX
+    `dynamic_rows` (None: on for onnxruntime in fast numerics, and tensorrt, which requires it): the tree
+    buckets' verify graphs as one graph with a symbolic row dimension (`glance_rt.export.onnx.merge_buckets`): one ONNX
     Runtime session for all of them (one prepacked copy of the weights instead of one per bucket); a
     TensorRT build makes it one engine with an optimization profile per bucket. False: a graph per bucket."""
     if backend not in FLAVORS:
@@ -93,14 +94,20 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
         raise GlanceError(f"flavor {flavor!r} with backend {backend!r}: "
                           + (f"the {flavor!r} flavor is for {owner} engines; " if owner else "")
                           + f"{backend} takes {' or '.join(FLAVORS[backend])}")
-    if check_numerics(numerics) == "exact" and backend != "aoti":
-        raise GlanceError(f"exact numerics engines are built with --backend aoti; {backend} graphs carry the fast "
-                          "kernels only (the ONNX export of the row-gathered attention is not built)")
+    exact_mode = check_numerics(numerics) == "exact"
+    if exact_mode and backend == "tensorrt":
+        raise GlanceError("exact numerics engines are built with --backend aoti or onnxruntime: TensorRT picks each "
+                          "engine's GEMM tactics by its own timing, so the AR step's engine and a verify engine could "
+                          "compute the same 8-row block differently")
     if not isinstance(max_batch, int) or max_batch < 1:
         raise GlanceError(f"max_batch must be an int >= 1, got {max_batch!r}")
-    if max_batch > 1 and (backend == "tensorrt" or eagle3_shape(drafter) is not None):
-        raise GlanceError(f"--max-batch {max_batch}: batched engines are built with --backend aoti or onnxruntime over "
-                          f"a GLANCE drafter or none; {backend} engines (and EAGLE-3 heads) take one sequence")
+    if exact_mode and backend == "onnxruntime" and (max_batch > 1 or dynamic_rows):
+        raise GlanceError("an exact numerics onnxruntime engine takes one sequence and a verify graph per tree bucket "
+                          "(its GEMMs are blocks of a fixed row count, so neither the rows nor the batch can be "
+                          "symbolic): drop --max-batch / --dynamic-rows, or build it with --backend aoti")
+    if max_batch > 1 and eagle3_shape(drafter) is not None:
+        raise GlanceError(f"--max-batch {max_batch}: batched engines are built over a GLANCE drafter or none; "
+                          "EAGLE-3 heads take one sequence")
     if mapped_weights and backend != "onnxruntime":
         raise GlanceError(f"--mapped-weights is for onnxruntime engines; {backend} engines already hold one copy of "
                           "the weights in memory (aoti) or keep them in their engines (tensorrt)")
@@ -110,7 +117,7 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     if dynamic_rows is False and backend == "tensorrt":
         raise GlanceError("--graph-per-bucket: a tensorrt engine builds ONE verify engine with an optimization profile "
                           "per tree bucket (from the dynamic-rows verify graph); drop the flag")
-    dynamic_rows = backend != "aoti" if dynamic_rows is None else dynamic_rows
+    dynamic_rows = backend == "onnxruntime" and not exact_mode if dynamic_rows is None else dynamic_rows
     impl = _backend(backend)
     image_sizes = [list(s) for s in image_sizes]
     if image_sizes and backend == "aoti":
@@ -127,7 +134,7 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
               "dynamic_rows": dynamic_rows}
     if (out / "manifest.json").exists():
         raise GlanceError(f"{out} already holds an engine: pick another --out, or delete it to rebuild")
-    exact = ExactNumerics(static=True) if numerics == "exact" else None
+    exact = ExactNumerics(static=True) if exact_mode else None
     graphs = static_graphs(target, drafter, max_len, exact, max_batch)  # the plain weights: what gets traced
     manifest = {"format": FORMAT, **config, "block_size": drafter.block_size if drafter is not None else 1,
                 "source": source(target, drafter), "versions": versions(), "eagle3": eagle3_shape(drafter),

@@ -7,13 +7,18 @@ with a symbolic row dimension; a VLM's vision graphs per image bucket), tag a co
 TensorRT (`tensorrt_onnx`), parse it with TensorRT's ONNX parser into a strongly typed network with
 TF32 off (fp32 must stay IEEE fp32 for outputs equal to Hugging Face's), serialize to `<graph>.engine`
 (written, then renamed: an interrupted build resumes). The verify graph becomes ONE engine with an
-optimization profile per tree bucket (`row_profiles`: min = opt = max = that bucket's shapes, so each
+optimization profile per tree bucket (`bucket_profiles`: min = opt = max = that bucket's shapes, so each
 bucket gets the kernels tuned for its shape, as engines per bucket did, over one copy of the weights);
-the plugin's launch grid follows the row dimension symbolically.
+an engine built for batches (`--max-batch`) likewise makes its batched verify graph one engine with a
+profile per (slots, rows) bucket, its batched AR step and draft graphs one each with a profile per
+slots bucket. The plugin's launch grid follows the symbolic dimensions (sequences, rows).
 
 Run: each engine (deserialized once) gets one execution context per graph it serves (a verify
 engine: one per profile, its input shapes set once), whose tensor addresses are bound once: the caches
 it reads are the running model's CUDA cache buffers, its other inputs and its outputs are static CUDA tensors.
+The contexts hold no activation memory of their own: all of a folder's contexts run one after another
+on one stream, so they share one scratch buffer, as large as the largest engine needs (`EngineFiles.share_scratch`),
+instead of each allocating the most any of its engine's profiles needs.
 A call copies its arguments into the static inputs, runs the context, and writes the rows the graph
 returned back into the caches; after one warm-up run (TensorRT's deferred work, the driver's PTX JIT)
 all of that is captured in one CUDA graph per context and replayed from then on.
@@ -28,7 +33,7 @@ from pathlib import Path
 import torch
 
 from glance_rt.errors import GlanceError, require
-from glance_rt.export.onnx import DOMAIN, ROWS, concrete, export_onnx, exported_runners, write_back, written_rows
+from glance_rt.export.onnx import DOMAIN, concrete, export_onnx, exported_runners, served, write_back, written_rows
 from glance_rt.export.vision import VisionGraphs, export_vision
 from glance_rt.files import atomic_write
 from glance_rt.plugins import TENSORRT_PLUGIN
@@ -77,17 +82,19 @@ def _logger(trt):
     return trt.Logger(trt.Logger.WARNING)
 
 
-def row_profiles(info: dict) -> list[dict[str, list[int]]]:
-    """The optimization profiles of a graph exported with a symbolic row dimension (manifest `rows`: the
-    buckets it serves), in that order: each pins every input with that dimension to one bucket's shape
-    (min = opt = max). [] for a graph of fixed shapes."""
+def bucket_profiles(info: dict) -> list[dict[str, list[int]]]:
+    """The optimization profiles of a graph exported with symbolic dimensions (manifest `rows` and/or
+    `slots`: the buckets it serves), one per bucket in `served` order (slots-major): each pins every
+    input with such a dimension to that bucket's shape (min = opt = max). [] for a graph of fixed shapes."""
     dynamic = [(name, shape) for name, shape, _ in info["inputs"] if any(isinstance(d, str) for d in shape)]
-    return [{name: concrete(shape, {ROWS: t}) for name, shape in dynamic} for t in info.get(ROWS, [])]
+    if not dynamic:
+        return []
+    return [{name: concrete(shape, dims) for name, shape in dynamic} for dims in served(info)]
 
 
 def build_engine_file(onnx_path: Path, engine_path: Path, profiles=()) -> None:
     """Parse one tagged ONNX graph and serialize its engine to `engine_path` (temporary name, then rename);
-    `profiles` (`row_profiles`): one optimization profile each, in order."""
+    `profiles` (`bucket_profiles`): one optimization profile each, in order."""
     trt = _tensorrt()
     logger = _logger(trt)
     builder = trt.Builder(logger)
@@ -138,10 +145,10 @@ def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, p
             tagged = out / f"{key}.trt.onnx"  # shares {key}.onnx.data: external data stays where it was written
             model = tensorrt_onnx(onnx.load(str(out / info["file"]), load_external_data=False))
             atomic_write(tagged, lambda tmp, m=model: tmp.write_bytes(m.SerializeToString()))
-            build_engine_file(tagged, engine, row_profiles(info))
+            build_engine_file(tagged, engine, bucket_profiles(info))
         info["engine"] = engine.name
-        if "rows" in info:
-            info["profiles"] = row_profiles(info)
+        if profiles := bucket_profiles(info):
+            info["profiles"] = profiles
     manifest.update(flavor=flavor, graphs=exported, vision=vision,
                     versions={**manifest["versions"], "tensorrt": trt.__version__,
                               "triton": metadata.version("triton")},
@@ -150,11 +157,13 @@ def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, p
 
 class EngineFiles:
     """An engine folder's engines, each deserialized once (a verify engine serves one EngineGraph per
-    optimization profile), and the TensorRT runtime that made them, alive as long as they are."""
+    optimization profile), and the TensorRT runtime that made them, alive as long as they are; and the
+    one activation scratch all their execution contexts share (`share_scratch`)."""
 
     def __init__(self, path: Path):
         trt = _tensorrt()
         self.path, self.runtime, self.loaded = path, trt.Runtime(_logger(trt)), {}
+        self.contexts, self.scratch = [], None
 
     def __call__(self, info: dict):
         name = info["engine"]
@@ -165,6 +174,27 @@ class EngineFiles:
             self.loaded[name] = engine
         return self.loaded[name]
 
+    def context(self, info: dict):
+        """A new execution context of graph `info`'s engine without activation memory of its own: it gets
+        the shared scratch in `share_scratch`, which must run before any context does."""
+        trt = _tensorrt()
+        if self.scratch is not None:
+            raise GlanceError("a TensorRT context was asked for after its engine folder's shared scratch was "
+                              "allocated: create every context first, then call share_scratch")
+        context = self(info).create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+        self.contexts.append(context)
+        return context
+
+    def share_scratch(self, device) -> None:
+        """One activation buffer for every context made so far, as large as the largest of their engines
+        needs (`device_memory_size_v2`: the most over its profiles). Safe because the contexts run one
+        after another on one stream (a Decoder's passes); its address is fixed from here on, so the
+        CUDA graphs captured later stay valid."""
+        size = max((e.device_memory_size_v2 for e in self.loaded.values()), default=0)
+        self.scratch = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
+        for context in self.contexts:
+            context.set_device_memory(self.scratch.data_ptr(), size)
+
 
 class EngineGraph:
     """One engine's execution context with its tensors bound once. `bufs`: the caches it reads (bound
@@ -172,16 +202,16 @@ class EngineGraph:
     the bucket it runs an engine with a profile per bucket at (its profile and input shapes set once).
     The first call runs the context once (warm-up), the second captures the copy-in, run and write-back
     in a CUDA graph, every later call replays it. Outputs are reused by the next call (as any CUDA-graph
-    replay)."""
+    replay). Its activation memory is `engines`' shared scratch."""
 
     def __init__(self, engines: EngineFiles, info: dict, bufs: list, write_back=None, dims: dict | None = None):
         dev = bufs[0].device if bufs else torch.device("cuda")
-        self.engines = engines  # keeps the runtime and the engine alive
-        self.context = engines(info).create_execution_context()
-        if dims:  # its bucket's profile (the build's order: `row_profiles`)
-            profile = info[ROWS].index(dims[ROWS])
+        self.engines = engines  # keeps the runtime, the engine and the scratch alive
+        self.context = engines.context(info)
+        if profiles := bucket_profiles(info):  # its bucket's profile (the build's order)
+            profile = served(info).index(dims)
             self.context.set_optimization_profile_async(profile, torch.cuda.current_stream().cuda_stream)
-            for name, shape in row_profiles(info)[profile].items():
+            for name, shape in profiles[profile].items():
                 self.context.set_input_shape(name, shape)
         n_args = len(info["inputs"]) - len(bufs)
         self.inputs = [torch.empty(concrete(shape, dims), dtype=DTYPES[dt], device=dev)
@@ -218,8 +248,8 @@ class EngineGraph:
 
 
 def runners(path: Path, manifest: dict, graphs) -> dict:
-    """The callables StaticPasses runs, one execution context per graph (the verify engine: one per
-    bucket's profile), over the Decoder's own caches."""
+    """The callables StaticPasses runs, one execution context per graph (an engine with profiles: one per
+    bucket's profile), over the Decoder's own caches, all sharing one activation scratch."""
     if not graphs.verifier.embed_tokens.weight.is_cuda:
         raise GlanceError("a TensorRT engine runs on a CUDA GPU: load the target with device='cuda' (--device cuda)")
     engines = EngineFiles(path)
@@ -230,14 +260,18 @@ def runners(path: Path, manifest: dict, graphs) -> dict:
 
         return EngineGraph(engines, info, bufs, write, dims)
 
-    return exported_runners(manifest, graphs, make)
+    fns = exported_runners(manifest, graphs, make)
+    engines.share_scratch(graphs.verifier.embed_tokens.weight.device)
+    return fns
 
 
 class _VisionSession:
     """An engine behind VisionGraphs' session interface (`run(None, feeds) -> [features]`, numpy)."""
 
     def __init__(self, path: Path, info: dict):
-        self.graph, self.names = EngineGraph(EngineFiles(path), info, []), [n for n, _, _ in info["inputs"]]
+        engines = EngineFiles(path)
+        self.graph, self.names = EngineGraph(engines, info, []), [n for n, _, _ in info["inputs"]]
+        engines.share_scratch(torch.device("cuda"))
 
     def run(self, _outputs, feeds: dict):
         out = self.graph(*(torch.from_numpy(feeds[n]) for n in self.names))

@@ -125,9 +125,9 @@ IMAGE_SIZES = click.option("--image-size", "image_sizes", multiple=True, callbac
                                 "static image bucket each). Without it the vision tower runs in torch.")
 DYNAMIC_ROWS = click.option("--dynamic-rows/--graph-per-bucket", default=None,
                             help="ONNX graphs: one verify graph with a symbolic row dimension for every tree budget "
-                                 "bucket (the default: one ONNX Runtime session and one prepacked copy of the weights "
-                                 "for all; TensorRT builds it into one engine with an optimization profile per "
-                                 "bucket), or a verify graph per bucket.")
+                                 "bucket (the default, but for --exact: one ONNX Runtime session and one prepacked "
+                                 "copy of the weights for all; TensorRT builds it into one engine with an "
+                                 "optimization profile per bucket), or a verify graph per bucket.")
 SUITE_IMAGES = click.option("--images", type=click.Path(), default=None,
                             help="Folder the suite's image paths are relative to.")
 
@@ -618,12 +618,13 @@ def _engine_decoder(method: Method, target_path, drafter_path, max_batch: int | 
                    "/usr/local/include/onnxruntime, /usr/include/onnxruntime, ...).")
 @DTYPE
 @DEVICE
-@click.option("--exact", is_flag=True, help="aoti: the decode graphs in exact numerics (verify rows with the AR "
-              "step's bits; `generate --engine` then runs them so).")
+@click.option("--exact", is_flag=True, help="aoti, onnxruntime: the decode graphs in exact numerics (verify rows "
+              "with the AR step's bits; `generate --engine` then runs them so; onnxruntime: one sequence, a verify "
+              "graph per tree bucket).")
 @click.option("--max-batch", default=1, show_default=True, type=int,
-              help="aoti, onnxruntime: sequences the engine decodes at once (batched verify and draft graphs: aoti "
-                   "a package per batch bucket, onnxruntime one graph each with symbolic slots; for `serve` and "
-                   "glance_rt.Batch); a cache slot of --max-length rows each.")
+              help="sequences the engine decodes at once (batched verify and draft graphs: aoti a package per "
+                   "batch bucket, onnxruntime one graph each with symbolic slots, tensorrt one engine each with a "
+                   "profile per bucket; for `serve` and glance_rt.Batch); a cache slot of --max-length rows each.")
 @click.option("--mapped-weights", is_flag=True,
               help="onnxruntime: every session reads one memory map of the engine's weights file (one copy in "
                    "memory, shared with the page cache) instead of each prepacking its own copy (faster GEMMs).")

@@ -28,7 +28,7 @@ FLOAT_IO = "FP32|FP16|BF16"
 @trtp.register(NAME)
 def tree_attention_desc(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, tree_mask: trtp.TensorDesc,
                         prefix_len: trtp.TensorDesc, scale: float) -> trtp.TensorDesc:
-    """out [1, H, T, D], q's shape and dtype."""
+    """out [B, H, T, D], q's shape and dtype."""
     return q.like()
 
 
@@ -53,10 +53,12 @@ def tree_attention_aot(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDes
                        tactic: int) -> Tuple[Union[str, bytes], Union[str, bytes],  # noqa: UP006, UP007
                                              trtp.KernelLaunchParams, trtp.SymExprs]:
     """Compile the kernel for this node's dtype and shapes: (name, PTX, launch, extra int32 args).
-    TensorRT launches it as (q, k, v, tree_mask, prefix_len, T, KV_ROWS, KV_BATCH, out), the kernel's ABI:
-    one sequence (grid z = 1; the engines TensorRT builds decode one sequence at a time). T may be
-    symbolic (the verify engine's row dimension, one profile per bucket): `kernel.grid` then returns an
-    expression of it for the row programs, evaluated by TensorRT per launch."""
+    TensorRT launches it as (q, k, v, tree_mask, prefix_len, T, KV_ROWS, KV_BATCH, out), the kernel's ABI,
+    over `kernel.direct_launch`: a program grid over (query tiles, KV heads, sequences). B, T and L may
+    be symbolic (a batched engine's slots, the verify engine's rows, one profile per bucket): the grid
+    and extras are then expressions of them, evaluated by TensorRT per launch. A batched graph hands
+    the plugin its slots' cache rows as one packed [B, KVH, L, D] tensor, so a sequence's stride is
+    KVH * L rows."""
     dtype = DTYPES[q.dtype]
     heads, head_dim = int(q.shape[1]), int(q.shape[3])
     kv_heads = int(k.shape[1])
@@ -68,11 +70,11 @@ def tree_attention_aot(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDes
     ptx = kernel.plugin_ptx(compiled, name)
     launch = trtp.KernelLaunchParams()
     block_m = kernel.blocks(head_dim, dtype)["BLOCK_M"]
-    launch.grid_x, launch.grid_y, launch.grid_z = kernel.grid(q.shape_expr[2] * groups, kv_heads, block_m)
+    grid, extras = kernel.direct_launch(q.shape_expr[0], heads, q.shape_expr[2], kv_heads, k.shape_expr[2], block_m)
+    launch.grid_x, launch.grid_y, launch.grid_z = grid
     launch.block_x = compiled["num_warps"] * 32
     launch.shared_mem = compiled["shared"]
     extra = trtp.SymIntExprs(len(kernel.EXTRAS))
-    extra[0] = trtp.SymInt32(q.shape_expr[2])  # T
-    extra[1] = trtp.SymInt32(k.shape_expr[2])  # KV_ROWS: the cache input is [1, KVH, L, D], contiguous
-    extra[2] = trtp.SymInt32(k.shape_expr[2])  # KV_BATCH: unread with one sequence (any value will do)
+    for i, value in enumerate(extras):  # T, KV_ROWS, KV_BATCH
+        extra[i] = trtp.SymInt32(value)
     return name.encode(), ptx.encode(), launch, extra

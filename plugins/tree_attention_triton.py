@@ -351,6 +351,14 @@ def grid(rows, kv_heads: int, block_m: int, sequences: int = 1) -> tuple:
     return ((rows + block_m - 1) // block_m, kv_heads, sequences)
 
 
+def direct_launch(batch, heads: int, rows, kv_heads: int, kv_rows, block_m: int) -> tuple[tuple, tuple]:
+    """The direct kernel's grid and int32 extras (T, KV_ROWS, KV_BATCH) over q [B, H, T, D] and k, v
+    [B, KVH, L, D] packed (what a graph hands a plugin: a batch's cache slots as one dense tensor) ->
+    (grid, extras). `batch`, `rows` and `kv_rows` may be symbolic (the TensorRT plugin's shape
+    expressions of B, T and L): only + * // are used."""
+    return grid(rows * (heads // kv_heads), kv_heads, block_m, batch), (rows, kv_rows, kv_rows * kv_heads)
+
+
 def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int | None = SPLIT_ROWS,
                    block_m: int | None = None, tune: dict | None = None, exact: bool = False):
     """Launch on torch tensors: CUDA, or CPU tensors through Triton's interpreter (with

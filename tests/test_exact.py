@@ -345,6 +345,47 @@ def test_exact_aoti_engines_commit_their_ar_engines_tokens(tmp_path):
                 ar.generate(max_new_tokens=NEW, sampling=s, **inputs).token_ids, (prompt, s)
     with pytest.raises(glance_rt.GlanceError, match="built with exact numerics, fast asked"):
         glance_rt.Decoder.from_method(Method(engine=str(tmp_path / "g")), target, drafter)
-    with pytest.raises(glance_rt.GlanceError, match="exact numerics engines are built with --backend aoti"):
-        build_engine(target, drafter, tmp_path / "o", backend="onnxruntime", **{**kw, "flavor": None})
+    with pytest.raises(glance_rt.GlanceError, match="built with --backend aoti or onnxruntime: TensorRT"):
+        build_engine(target, drafter, tmp_path / "o", backend="tensorrt", **{**kw, "flavor": None})
+    for bad in ({"max_batch": 2}, {"dynamic_rows": True}):
+        with pytest.raises(glance_rt.GlanceError, match="exact numerics onnxruntime engine takes one sequence"):
+            build_engine(target, drafter, tmp_path / "o", backend="onnxruntime", **{**kw, "flavor": None, **bad})
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_exact_onnxruntime_engines_verify_rows_as_their_ar_steps(arch, tmp_path):
+    """`build-engine --backend onnxruntime --exact` (fp32: ONNX Runtime's CPU kernels): through the engine's
+    own graphs, every row of a 9-row tree (the tree-8 bucket's verify graph) has the logits of the AR step
+    at its position (the one-row verify graph) bit for bit, where a fast engine's rows differ; and the
+    GLANCE engine commits the tokens of an AR engine built the same way, greedy and sampled. The verify
+    graphs are per bucket (dynamic rows off: a GEMM block's row count is fixed)."""
+    import json
+
+    from glance_rt.engines.engine import build_engine
+    from glance_rt.tools.numerics import decoder_row_agreement
+
+    target, processor = loaded(arch, "float32")
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=8, seed=2)
+    kw = {"max_len": 192, "chunk": 8, "progress": False, "backend": "onnxruntime"}
+    tokens, parents = [11, 12, 13, 14, 15, 16, 17, 18, 19], [-1, 0, 0, 1, 1, 2, 3, 5, 6]
+    equal = {}
+    for numerics in ("fast", "exact"):
+        out = build_engine(target, drafter, tmp_path / numerics, budgets=(0, 8), numerics=numerics, **kw)
+        m = json.loads((out / "manifest.json").read_text())
+        assert m["numerics"] == numerics and m["dynamic_rows"] == (numerics == "fast")
+        dec = glance_rt.Decoder.from_engine(out, target, drafter, gate=False, lookup=0)
+        assert dec.numerics == numerics
+        equal[numerics] = [c.equal for c in decoder_row_agreement(dec, PROMPT, tokens, parents)]
+    assert all(equal["exact"]), equal
+    if arch == "llama":  # measured: the fast engine's rows differ from its AR steps in their last bits
+        assert not all(equal["fast"]), equal
+    ar = glance_rt.Decoder.from_engine(build_engine(target, None, tmp_path / "ar", budgets=(0,), numerics="exact",
+                                                    **kw), target, None)
+    assert ar.method_name == "ar+exact@onnxruntime" and dec.method_name == "tree-8+always+exact@onnxruntime"
+    for prompt in ("Say something long about the sea.", "Hi"):
+        inputs = make_inputs(arch, processor, prompt=prompt, n_images=0)
+        for s in SAMPLINGS.values():
+            assert dec.generate(max_new_tokens=NEW, sampling=s, **inputs).token_ids == \
+                ar.generate(max_new_tokens=NEW, sampling=s, **inputs).token_ids, (prompt, s)

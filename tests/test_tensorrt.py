@@ -83,7 +83,7 @@ def test_tensorrt_rewrite_on_every_architecture(arch, tmp_path):
     graph changes, no local function is left to inline, and the exported file is left as it was. The
     verify graph is the one a TensorRT build exports: one graph for the tree buckets (a symbolic row
     dimension), whose optimization profiles pin each bucket's shapes."""
-    from glance_rt.engines.tensorrt import row_profiles
+    from glance_rt.engines.tensorrt import bucket_profiles
     from glance_rt.export.onnx import ROWS, export_onnx
     from glance_rt.round.verify import static_graphs
 
@@ -93,9 +93,9 @@ def test_tensorrt_rewrite_on_every_architecture(arch, tmp_path):
                        dynamic_rows=True)
     assert set(info) == {"prefill", "verify", "draft", "context"} and info["verify"]["rows"] == [5, 6]
     mrope = info["verify"]["inputs"][1][1][0] == 3
-    assert row_profiles(info["verify"]) == [{"tokens": [t], "positions": [3, 1, t] if mrope else [1, t],
-                                             "tree_mask": [t, t], "parent": [t]} for t in (5, 6)]
-    assert row_profiles(info["prefill"]) == []
+    assert bucket_profiles(info["verify"]) == [{"tokens": [t], "positions": [3, 1, t] if mrope else [1, t],
+                                                "tree_mask": [t, t], "parent": [t]} for t in (5, 6)]
+    assert bucket_profiles(info["prefill"]) == []
     logits, feats, greedy, path = (o[1] for o in info["verify"]["outputs"][:4])
     assert logits == [ROWS, target.vocab_size] and feats[0] == ROWS and greedy == [ROWS]
     assert path == [max_depth(4) + 1]  # R long at any T
@@ -122,6 +122,62 @@ def test_tensorrt_rewrite_on_every_architecture(arch, tmp_path):
         onnx.save(tagged, str(tmp_path / f"{key}.trt.onnx"))  # beside its external data, as the build writes it
         onnx.checker.check_model(str(tmp_path / f"{key}.trt.onnx"))
     assert PLUGIN_NAMESPACE == "glance"
+
+
+def node_input_shapes(model, node) -> list:
+    """The shapes (ints, or a symbolic dimension's name) of `node`'s inputs, by ONNX shape inference."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    values = {v.name: v for v in (*inferred.graph.input, *inferred.graph.value_info)}
+    return [[d.dim_value if d.HasField("dim_value") else d.dim_param for d in values[i].type.tensor_type.shape.dim]
+            for i in node.input]
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_batched_graphs_a_tensorrt_build_exports(arch, tmp_path):
+    """`build-engine --backend tensorrt --max-batch 3` exports what the ONNX Runtime engine does (one
+    batched verify graph symbolic in slots and rows, a batched AR step and draft graph symbolic in
+    slots) and builds an engine of each with an optimization profile per bucket: here their profiles,
+    slots-major in the order a load binds its contexts (`served`), every input pinned to its bucket's
+    shape; and their TreeAttention nodes as the plugin gets them, tagged, with q [S, H, T, D], k and v the
+    S slots' cache rows as one packed [S, KVH, L, D] tensor (so a sequence's stride is KVH * L rows,
+    what the plugin passes as KV_BATCH), masks [S, T, T] and prefix lengths [S]."""
+    from glance_rt.engines.tensorrt import bucket_profiles
+    from glance_rt.export.onnx import served
+
+    target, _, _ = tiny_target(arch)
+    drafter = drafter_for(target, arch)
+    info = export_onnx_for(target, drafter, tmp_path, slots=3)
+    assert {k: (g.get("slots"), g.get("rows")) for k, g in info.items() if "_batch" in k} == {
+        "verify_batch": ([2, 3], [5, 6]), "verify_batch-1": ([2, 3], [1]), "draft_batch": ([2, 3], None)}
+    lead = [3, 1] if info["verify"]["inputs"][1][1][0] == 3 else [1]  # positions [3, 1, S, T] under M-RoPE
+    profiles = bucket_profiles(info["verify_batch"])
+    assert served(info["verify_batch"]) == [{"slots": s, "rows": t} for s in (2, 3) for t in (5, 6)]
+    assert profiles == [{"tokens": [s, t], "positions": [*lead, s, t], "starts": [s], "tree_masks": [s, t, t],
+                         "parents": [s, t]} for s in (2, 3) for t in (5, 6)]
+    assert [p["tokens"] for p in bucket_profiles(info["verify_batch-1"])] == [[2, 1], [3, 1]]
+    assert len(bucket_profiles(info["draft_batch"])) == 2
+    cfg = target.text_config
+    kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    for key in ("verify_batch", "verify_batch-1"):
+        model = onnx.load(str(tmp_path / info[key]["file"]), load_external_data=False)
+        tagged = tensorrt_onnx(model)
+        nodes = [n for n in tagged.graph.node if n.op_type == PLUGIN_OP]
+        assert len(nodes) == cfg.num_hidden_layers and all(attrs(n)["aot"] == 1 for n in nodes)
+        q, k, v, mask, prefix = node_input_shapes(model, next(n for n in model.graph.node if n.op_type == PLUGIN_OP))
+        s, t = "slots", "rows" if key == "verify_batch" else 1
+        assert q == [s, cfg.num_attention_heads, t, head_dim] and k == v == [s, kv_heads, 96, head_dim], key
+        assert mask == [s, t, t] and prefix == [s]
+
+
+def export_onnx_for(target, drafter, out, slots: int = 1) -> dict:
+    """What a TensorRT build exports (plugin flavor, dynamic rows) for tree budgets 0 (the gate's AR
+    steps), 4 and 5, 96 cache rows."""
+    from glance_rt.export.onnx import export_onnx
+    from glance_rt.round.verify import static_graphs
+
+    return export_onnx(static_graphs(target, drafter, 96, slots=slots), out, (0, 4, 5), False, 8, "plugin",
+                       progress=False, dynamic_rows=True)
 
 
 def test_build_engine_without_tensorrt_says_how(tmp_path):
@@ -164,3 +220,29 @@ def test_tensorrt_engine_is_lossless(arch, tmp_path):
             inputs = {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in
                       make_inputs(arch, processor, prompt=prompt, n_images=1 if arch in VLM_ARCHS else 0).items()}
             assert dec.generate(max_new_tokens=16, **inputs).token_ids == hf_greedy(model, inputs, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.tensorrt
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_tensorrt_engine_built_for_batches_is_lossless(arch, tmp_path):
+    """fp32 on a GPU, `--max-batch 3`: the batched graphs are one engine each with a profile per bucket,
+    and a Batch over the engine gives every sequence HF greedy's tokens (finishing at different rounds,
+    the third joining as a slot frees)."""
+    from glance_rt.engines.engine import build_engine
+    from glance_rt.round.batch import Batch
+    from tests.test_batch import NEW, requests
+
+    target, model, processor = tiny_target(arch)
+    target = glance_rt.load_target(model.to("cuda"), dtype="float32", device="cuda")
+    drafter = drafter_for(target, arch).to("cuda")
+    build_engine(target, drafter, tmp_path / "e", backend="tensorrt", budgets=(0, 4, 6), max_len=128, chunk=8,
+                 progress=False, max_batch=2)
+    m = json.loads((tmp_path / "e" / "manifest.json").read_text())
+    assert len(m["graphs"]["verify_batch"]["profiles"]) == 2  # slots (2) x rows (5, 7)
+    dec = glance_rt.Decoder.from_engine(tmp_path / "e", target, drafter, gate=False)
+    cuda = [{k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in r.items()}
+            for r in requests(arch, processor)]
+    want = [hf_greedy(model, r, n) for r, n in zip(cuda, NEW, strict=True)]
+    reqs = [dict(r, max_new_tokens=n) for r, n in zip(cuda, NEW, strict=True)]
+    assert [res.token_ids for res in Batch(dec).run(reqs)] == want

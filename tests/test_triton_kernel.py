@@ -176,6 +176,34 @@ def test_a_batch_is_one_launch_with_each_sequences_own_result(dtype, split_rows)
                                    atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("seqs", [1, 3])
+def test_the_plugins_launch_runs_what_a_graph_hands_it(seqs):
+    """The TensorRT plugin launches the direct kernel with `direct_launch`'s grid and extras, computed from
+    the node's input shapes alone (B, H, T, KVH, L), over the packed tensors a graph hands it: a batch's
+    cache slots as one dense [B, KVH, L, D], one sequence's mask [T, T] and prefix a scalar. Run through
+    the interpreter with integer shapes, each sequence's result is the op's own on that sequence, bit
+    for bit (so KV_BATCH = KVH * L is the packed sequence stride and the grid covers every row)."""
+    heads, kv_heads, t, d, rows = 6, 2, 5, 16, 48
+    gen = torch.Generator().manual_seed(5)
+    prefixes = [30, 0, 11][:seqs]
+    q = torch.randn(seqs, heads, t, d, generator=gen).to(device())
+    k, v = (torch.randn(seqs, kv_heads, rows, d, generator=gen).to(device()) for _ in range(2))
+    masks = torch.stack([random_tree_mask(t, gen) for _ in prefixes]).to(device())
+    prefix = torch.tensor(prefixes, device=q.device)
+    if seqs == 1:
+        masks, prefix = masks[0], prefix[0]  # one sequence: [T, T] and a scalar, as a one-sequence graph has them
+    tiles = triton_kernel.blocks(d, "float32")
+    grid, extras = triton_kernel.direct_launch(seqs, heads, t, kv_heads, rows, tiles["BLOCK_M"])
+    out = torch.empty_like(q)
+    triton_kernel.tree_attention_kernel[grid](q, k, v, masks, prefix, *extras, out, SCALE=0.25,
+                                              GROUPS=heads // kv_heads, HEAD_DIM=d, **tiles,
+                                              num_warps=triton_kernel.NUM_WARPS, num_stages=1)
+    for s in range(seqs):
+        mask, p = (masks, prefix) if seqs == 1 else (masks[s], prefix[s])
+        alone = triton_kernel.tree_attention(q[s : s + 1], k[s : s + 1], v[s : s + 1], mask, p, 0.25, None)
+        assert torch.equal(out[s : s + 1], alone), s
+
+
 def test_split_rows_must_be_a_power_of_two():
     q, k, v, mask = case(4, 2, 1, 10, 16, torch.float32, seed=1)
     for bad in (8, 48):

@@ -145,6 +145,19 @@ def row_attention(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len
     return torch.cat(out, 2)  # [1, H, T, D]
 
 
+def visible_first(seen: Tensor) -> tuple[Tensor, Tensor]:
+    """seen [T, L] bool -> (order [T, L]: each row's visible cache rows first, in cache order, then the
+    others in cache order; keep [T, L]: where `order` holds a visible row). A stable sort of ~seen,
+    written as a scatter of each row's destination (a running count), which ONNX exports."""
+    length = seen.shape[1]
+    j = torch.arange(length, device=seen.device).expand_as(seen)  # [T, L]
+    count = seen.long().cumsum(1)  # [T, L]: visible rows up to and including j
+    visible = count[:, -1:]  # [T, 1]
+    dest = torch.where(seen, count - 1, visible + j - count)  # [T, L]: where row j goes
+    order = torch.zeros_like(dest).scatter(1, dest, j)  # [T, L]
+    return order, j < visible
+
+
 def static_row_attention(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len: Tensor,
                          scale: float) -> Tensor:
     """`row_attention` at fixed shapes: each query row's visible cache rows are gathered, in cache order,
@@ -154,8 +167,7 @@ def static_row_attention(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, pre
     kv_heads, length, d = k.shape[1], k.shape[2], q.shape[3]
     h, t = q.shape[1], q.shape[2]
     seen = visibility(tree_mask, prefix_len, length)  # [T, L]
-    order = torch.sort((~seen).to(torch.int8), dim=1, stable=True).indices  # [T, L]: visible rows first, in order
-    keep = torch.arange(length, device=q.device)[None, :] < seen.sum(1, keepdim=True)  # [T, L]
+    order, keep = visible_first(seen)  # [T, L] each
     kg = k[0][:, order].transpose(0, 1)  # [T, KVH, L, D]
     vg = v[0][:, order].transpose(0, 1)
     qg = q[0].transpose(0, 1).reshape(t, kv_heads, h // kv_heads, d)  # [T, KVH, G, D]
