@@ -117,7 +117,8 @@ def build_engine(target, drafter, out, backend: str = "aoti", budgets=(8,), chai
     if dynamic_rows is False and backend == "tensorrt":
         raise GlanceError("--graph-per-bucket: a tensorrt engine builds ONE verify engine with an optimization profile "
                           "per tree bucket (from the dynamic-rows verify graph); drop the flag")
-    dynamic_rows = backend == "onnxruntime" and not exact_mode if dynamic_rows is None else dynamic_rows
+    if dynamic_rows is None:
+        dynamic_rows = backend == "tensorrt" or (backend == "onnxruntime" and not exact_mode)
     impl = _backend(backend)
     image_sizes = [list(s) for s in image_sizes]
     if image_sizes and backend == "aoti":

@@ -16,9 +16,9 @@ slots bucket. The plugin's launch grid follows the symbolic dimensions (sequence
 Run: each engine (deserialized once) gets one execution context per graph it serves (a verify
 engine: one per profile, its input shapes set once), whose tensor addresses are bound once: the caches
 it reads are the running model's CUDA cache buffers, its other inputs and its outputs are static CUDA tensors.
-The contexts hold no activation memory of their own: all of a folder's contexts run one after another
+The contexts hold no activation memory of their own: a Decoder's decode contexts run one after another
 on one stream, so they share one scratch buffer, as large as the largest engine needs (`EngineFiles.share_scratch`),
-instead of each allocating the most any of its engine's profiles needs.
+instead of each allocating the most any of its engine's profiles needs (each vision graph keeps its own).
 A call copies its arguments into the static inputs, runs the context, and writes the rows the graph
 returned back into the caches; after one warm-up run (TensorRT's deferred work, the driver's PTX JIT)
 all of that is captured in one CUDA graph per context and replayed from then on.

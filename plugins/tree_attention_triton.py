@@ -347,15 +347,16 @@ def tree_attention_path_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_
 def grid(rows, kv_heads: int, block_m: int, sequences: int = 1) -> tuple:
     """Programs for GROUPS * T folded query rows over kv_heads KV heads and `sequences` (for the split
     kernel: sequences x cache splits). `rows` may be symbolic (the TensorRT plugin's expression of a
-    dynamic T): the ceiling division is written in + and // alone, which both support."""
-    return ((rows + block_m - 1) // block_m, kv_heads, sequences)
+    dynamic T): the ceiling division is written in + and // alone, the expression on the left, which
+    both support."""
+    return ((rows + (block_m - 1)) // block_m, kv_heads, sequences)
 
 
 def direct_launch(batch, heads: int, rows, kv_heads: int, kv_rows, block_m: int) -> tuple[tuple, tuple]:
     """The direct kernel's grid and int32 extras (T, KV_ROWS, KV_BATCH) over q [B, H, T, D] and k, v
     [B, KVH, L, D] packed (what a graph hands a plugin: a batch's cache slots as one dense tensor) ->
     (grid, extras). `batch`, `rows` and `kv_rows` may be symbolic (the TensorRT plugin's shape
-    expressions of B, T and L): only + * // are used."""
+    expressions of B, T and L): only + - * // with the expression on the left are used (`grid`)."""
     return grid(rows * (heads // kv_heads), kv_heads, block_m, batch), (rows, kv_rows, kv_rows * kv_heads)
 
 

@@ -170,6 +170,90 @@ def test_batched_graphs_a_tensorrt_build_exports(arch, tmp_path):
         assert mask == [s, t, t] and prefix == [s]
 
 
+class FakeContext:
+    """What EngineGraph and EngineFiles call on a TensorRT execution context, recorded."""
+
+    def __init__(self, engine, strategy):
+        self.engine, self.strategy, self.profile, self.shapes, self.memory = engine, strategy, None, {}, []
+
+    def set_optimization_profile_async(self, index, stream):
+        self.profile = index
+
+    def set_input_shape(self, name, shape):
+        self.shapes[name] = list(shape)
+
+    def set_tensor_address(self, name, ptr):
+        pass
+
+    def set_device_memory(self, ptr, size):
+        self.memory.append((ptr, size))
+
+
+class FakeTensorRT:
+    """The slice of the `tensorrt` module engines/tensorrt.py's runtime uses (no GPU, no TensorRT)."""
+
+    class ExecutionContextAllocationStrategy:
+        USER_MANAGED = "user-managed"
+
+    class Logger:
+        WARNING = 0
+
+        def __init__(self, level):
+            pass
+
+    def __init__(self, sizes: dict):
+        self.sizes = sizes  # engine file name -> device_memory_size_v2
+
+    def Runtime(self, logger):  # noqa: N802  (TensorRT's name)
+        fake = self
+
+        class Runtime:
+            def deserialize_cuda_engine(self, data):
+                name = data.decode()
+                return type("Engine", (), {"device_memory_size_v2": fake.sizes[name], "name": name,
+                                           "create_execution_context": lambda e, s: FakeContext(e, s)})()
+
+        return Runtime()
+
+
+def test_engine_contexts_take_their_buckets_profile_and_share_one_scratch(tmp_path, monkeypatch):
+    """The load side of a batched TensorRT engine, against a fake `tensorrt`: every (slots, rows) bucket's
+    context selects the profile the build made for that bucket (the build's `bucket_profiles` order) and
+    pins its inputs to the bucket's shapes; a fixed-shape graph selects none; every context is made
+    without memory of its own and gets ONE scratch, as large as the largest engine needs, once all exist;
+    a context asked for after that is refused."""
+    import glance_rt.engines.tensorrt as trt_engines
+    from glance_rt.export.onnx import served
+
+    fake = FakeTensorRT({"verify_batch.engine": 3000, "prefill.engine": 5000})
+    monkeypatch.setattr(trt_engines, "_tensorrt", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 0})())
+    for name in fake.sizes:
+        (tmp_path / name).write_bytes(name.encode())
+    batched = {"engine": "verify_batch.engine", "slots": [2, 3], "rows": [5, 7],
+               "inputs": [["tokens", ["slots", "rows"], "int64"], ["starts", ["slots"], "int64"],
+                          ["k0", [3, 2, 16, 4], "float32"]],
+               "outputs": [["logits", ["slots", "rows", 11], "float32"]]}
+    fixed = {"engine": "prefill.engine", "inputs": [["tokens", [8], "int64"], ["k0", [3, 2, 16, 4], "float32"]],
+             "outputs": [["logits", [1, 11], "float32"]]}
+    cache = torch.zeros(3, 2, 16, 4)
+    files = trt_engines.EngineFiles(tmp_path)
+    graphs = {tuple(d.values()): trt_engines.EngineGraph(files, batched, [cache], dims=d) for d in served(batched)}
+    prefill = trt_engines.EngineGraph(files, fixed, [cache], dims={})
+    files.share_scratch(torch.device("cpu"))
+    profiles = trt_engines.bucket_profiles(batched)
+    assert list(graphs) == [(2, 5), (2, 7), (3, 5), (3, 7)] and len(profiles) == 4
+    for i, ((s, t), g) in enumerate(graphs.items()):
+        assert g.context.profile == i and g.context.shapes == profiles[i] == {"tokens": [s, t], "starts": [s]}
+        assert [list(x.shape) for x in g.inputs + g.outs] == [[s, t], [s], [s, t, 11]]
+    assert prefill.context.profile is None and prefill.context.shapes == {}
+    contexts = [g.context for g in graphs.values()] + [prefill.context]
+    assert {c.strategy for c in contexts} == {"user-managed"}
+    assert {tuple(c.memory) for c in contexts} == {((files.scratch.data_ptr(), 5000),)}
+    with pytest.raises(glance_rt.GlanceError, match="create every context first"):
+        trt_engines.EngineGraph(files, fixed, [cache], dims={})
+
+
 def export_onnx_for(target, drafter, out, slots: int = 1) -> dict:
     """What a TensorRT build exports (plugin flavor, dynamic rows) for tree budgets 0 (the gate's AR
     steps), 4 and 5, 96 cache rows."""
@@ -195,6 +279,9 @@ def test_build_engine_without_tensorrt_says_how(tmp_path):
         build_engine(target, None, tmp_path / "e", backend="tensorrt", max_len=64, chunk=8, progress=False)
     with pytest.raises(glance_rt.GlanceError, match="takes plugin"):
         build_engine(target, None, tmp_path / "e", backend="tensorrt", flavor="portable", max_len=64, chunk=8)
+    drafter = glance_rt.init_drafter(target, block_size=4, seed=1)  # a batched build passes its checks too
+    with pytest.raises(glance_rt.GlanceError, match=r"glance-rt\[tensorrt\]"):
+        build_engine(target, drafter, tmp_path / "e", backend="tensorrt", max_len=64, chunk=8, max_batch=3)
     assert not (tmp_path / "e" / "manifest.json").exists()
 
 
@@ -227,8 +314,8 @@ def test_tensorrt_engine_is_lossless(arch, tmp_path):
 @pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
 def test_tensorrt_engine_built_for_batches_is_lossless(arch, tmp_path):
     """fp32 on a GPU, `--max-batch 3`: the batched graphs are one engine each with a profile per bucket,
-    and a Batch over the engine gives every sequence HF greedy's tokens (finishing at different rounds,
-    the third joining as a slot frees)."""
+    and a Batch over the engine gives every sequence HF greedy's tokens (three requests finishing at
+    different rounds, so the batch runs at 3 slots, then 2, then alone)."""
     from glance_rt.engines.engine import build_engine
     from glance_rt.round.batch import Batch
     from tests.test_batch import NEW, requests
@@ -237,9 +324,9 @@ def test_tensorrt_engine_built_for_batches_is_lossless(arch, tmp_path):
     target = glance_rt.load_target(model.to("cuda"), dtype="float32", device="cuda")
     drafter = drafter_for(target, arch).to("cuda")
     build_engine(target, drafter, tmp_path / "e", backend="tensorrt", budgets=(0, 4, 6), max_len=128, chunk=8,
-                 progress=False, max_batch=2)
+                 progress=False, max_batch=3)
     m = json.loads((tmp_path / "e" / "manifest.json").read_text())
-    assert len(m["graphs"]["verify_batch"]["profiles"]) == 2  # slots (2) x rows (5, 7)
+    assert len(m["graphs"]["verify_batch"]["profiles"]) == 4  # slots (2, 3) x rows (5, 7)
     dec = glance_rt.Decoder.from_engine(tmp_path / "e", target, drafter, gate=False)
     cuda = [{k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in r.items()}
             for r in requests(arch, processor)]

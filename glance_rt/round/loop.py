@@ -254,7 +254,7 @@ class Decoder:
         self.eos_ids = frozenset(target.eos_token_ids)
         self.passes = self.backend.passes(self.verifier, self.drafter)
         if max_batch > 1 and not (isinstance(self.drafter, (DraftPass, type(None))) and self.passes.batches):
-            raise GlanceError(f"max_batch={max_batch}: batched rounds run the eager or compile backend, or an aoti "
+            raise GlanceError(f"max_batch={max_batch}: batched rounds run the eager or compile backend, or an "
                               "engine built with --max-batch, over a GLANCE drafter or none (other engines, EAGLE-3 "
                               "heads and other drafter objects decode one sequence at a time: use max_batch=1)")
         self.device_round = self._device_round(device_round)

@@ -109,12 +109,11 @@ def row_agreement(target, input_ids: list[int], tokens: list[int], parents: list
 
 @torch.inference_mode()
 def decoder_row_agreement(decoder, input_ids: list[int], tokens: list[int], parents: list[int]) -> list[RowCheck]:
-    """`row_agreement` through a Decoder's own passes (an engine's graphs included): the prompt prefilled,
-    the tree of `tokens` / `parents` verified in one pass (its row count must be one the passes run), then
+    """`row_agreement` through a Decoder's own passes (eager, compiled, or an engine's graphs): the prompt
+    prefilled, the tree of `tokens` / `parents` verified in one pass (its row count must be one the passes run), then
     for every row the cache reset to the prompt and the row's path stepped as one-row verify passes (the
     AR step's graph), its logits compared with the tree row's, bit for bit. Text prompts."""
-    from types import SimpleNamespace
-
+    from glance_rt.round.tree import Tree
     from glance_rt.round.verify import text_positions
 
     passes, verifier = decoder.passes, decoder.verifier
@@ -122,21 +121,23 @@ def decoder_row_agreement(decoder, input_ids: list[int], tokens: list[int], pare
     p = len(input_ids)
 
     def verify(ids: list[int], start: int, index: Tensor, mask: Tensor, parent: list[int]) -> Tensor:
-        tree = SimpleNamespace(parent=np.array(parent, dtype=np.int64))
+        children = {(q, ids[i]): i for i, q in enumerate(parent) if q >= 0}
+        tree = Tree(np.array(ids), np.array(parent), index.numpy() - start, mask.numpy(), children)
         pos = text_positions(index.to(dev), 0, verifier.mrope)
         logits = passes.verify(tree, torch.tensor(ids, device=dev), pos, start, mask.to(dev))[0]
         return logits.clone()  # [n, V] (an engine's outputs are reused by its next call)
 
     embeds = verifier.embed_tokens(torch.tensor(input_ids, device=dev))[None]  # [1, P, H]
     passes.prefill(embeds, text_positions(torch.arange(p, device=dev), 0, verifier.mrope), 0)
-    prompt_cache = [b.clone() for b in passes.cache.buffers()]
+    cache = verifier.cache  # the passes' caches (an engine's graphs are bound to them)
+    prompt_cache = [b.clone() for b in cache.buffers()]
     mask = tree_mask(parents)
     depth = mask.sum(1) - 1  # [T]
     verified = verify(tokens, p, p + depth, mask, parents)  # [T, V]
     one = torch.ones(1, 1, dtype=torch.bool)
     checks = []
     for row in range(len(tokens)):
-        for b, saved in zip(passes.cache.buffers(), prompt_cache, strict=True):
+        for b, saved in zip(cache.buffers(), prompt_cache, strict=True):
             b.copy_(saved)
         for d, node in enumerate(_path(parents, row)):
             ar = verify([tokens[node]], p + d, torch.tensor([p + d]), one, [-1])[0]
