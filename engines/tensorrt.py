@@ -161,8 +161,8 @@ class EngineFiles:
     one activation scratch all their execution contexts share (`share_scratch`)."""
 
     def __init__(self, path: Path):
-        trt = _tensorrt()
-        self.path, self.runtime, self.loaded = path, trt.Runtime(_logger(trt)), {}
+        self.trt = _tensorrt()
+        self.path, self.runtime, self.loaded = path, self.trt.Runtime(_logger(self.trt)), {}
         self.contexts, self.scratch = [], None
 
     def __call__(self, info: dict):
@@ -177,11 +177,10 @@ class EngineFiles:
     def context(self, info: dict):
         """A new execution context of graph `info`'s engine without activation memory of its own: it gets
         the shared scratch in `share_scratch`, which must run before any context does."""
-        trt = _tensorrt()
         if self.scratch is not None:
             raise GlanceError("a TensorRT context was asked for after its engine folder's shared scratch was "
                               "allocated: create every context first, then call share_scratch")
-        context = self(info).create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+        context = self(info).create_execution_context(self.trt.ExecutionContextAllocationStrategy.USER_MANAGED)
         self.contexts.append(context)
         return context
 

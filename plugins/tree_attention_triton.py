@@ -356,7 +356,7 @@ def direct_launch(batch, heads: int, rows, kv_heads: int, kv_rows, block_m: int)
     """The direct kernel's grid and int32 extras (T, KV_ROWS, KV_BATCH) over q [B, H, T, D] and k, v
     [B, KVH, L, D] packed (what a graph hands a plugin: a batch's cache slots as one dense tensor) ->
     (grid, extras). `batch`, `rows` and `kv_rows` may be symbolic (the TensorRT plugin's shape
-    expressions of B, T and L): only + - * // with the expression on the left are used (`grid`)."""
+    expressions of B, T and L): only + * // with the expression on the left are used (`grid`)."""
     return grid(rows * (heads // kv_heads), kv_heads, block_m, batch), (rows, kv_rows, kv_rows * kv_heads)
 
 

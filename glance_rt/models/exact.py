@@ -73,8 +73,8 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_l
 
 # The CUDA kernels of exact numerics are custom ops, as the fast attention is (`glance::tree_attention`):
 # opaque to dynamo, so compiled passes and CUDA graphs call them as they are (CPU tensors run them through
-# Triton's interpreter, as the tests do). They are not exported: ONNX Runtime and TensorRT builds refuse
-# exact numerics.
+# Triton's interpreter, as the tests do). They are not exported: an ONNX Runtime engine's graphs are the CPU
+# static form (`static_row_attention`, blocks of `RowBlockLinear`); TensorRT builds refuse exact numerics.
 
 
 @torch.library.custom_op("glance::path_attention", mutates_args=())

@@ -63,6 +63,29 @@ def _path(parents: list[int], row: int) -> list[int]:
     return path[::-1]
 
 
+def _compare_rows(run, cache, prompt_len: int, tokens: list[int], parents: list[int]) -> list[RowCheck]:
+    """The comparison behind both entry points, after the prompt is prefilled into `cache`: the tree
+    verified in one pass, then for every row the cache reset to the prompt and the row's path stepped one
+    row at a time (each node committed at the next position), the last step's logits against the row's.
+    `run(ids, start, index [n], mask [n, n], parent [n]) -> logits [n, V]`: one pass."""
+    p = prompt_len
+    prompt_cache = [b.clone() for b in cache.buffers()]
+    mask = tree_mask(parents)
+    depth = mask.sum(1) - 1  # [T]
+    verified = run(tokens, p, p + depth, mask, parents)  # [T, V]
+    one = torch.ones(1, 1, dtype=torch.bool)
+    checks = []
+    for row in range(len(tokens)):
+        for b, saved in zip(cache.buffers(), prompt_cache, strict=True):
+            b.copy_(saved)
+        for d, node in enumerate(_path(parents, row)):
+            ar = run([tokens[node]], p + d, torch.tensor([p + d]), one, [-1])[0]
+        v = verified[row]
+        checks.append(RowCheck(row, int(depth[row]), torch.equal(v, ar), float((v.float() - ar.float()).abs().max()),
+                               bool(v.argmax() == ar.argmax())))
+    return checks
+
+
 @torch.inference_mode()
 def row_agreement(target, input_ids: list[int], tokens: list[int], parents: list[int], kernels=None,
                   max_len: int = 256, numerics: str = "fast", static: bool = False) -> list[RowCheck]:
@@ -75,52 +98,34 @@ def row_agreement(target, input_ids: list[int], tokens: list[int], parents: list
     from glance_rt.models.exact import ExactNumerics
     from glance_rt.round.verify import round_modules, text_positions
 
-    t = len(tokens)
     exact = ExactNumerics(static=static) if check_numerics(numerics) == "exact" else None
-    verifier, _ = round_modules(target, None, max_len, (t, 1), kernels, fuse=False, exact=exact)
+    verifier, _ = round_modules(target, None, max_len, (len(tokens), 1), kernels, fuse=False, exact=exact)
     dev = verifier.embed_tokens.weight.device
-    mrope = verifier.mrope
     p = len(input_ids)
 
-    def run(ids: list[int], start: int, positions: Tensor, mask: Tensor, prefill: bool = False) -> Tensor:
+    def run(ids: list[int], start: int, positions: Tensor, mask: Tensor, parent=None, prefill: bool = False) -> Tensor:
         embeds = verifier.embed_tokens(torch.tensor(ids, device=dev))[None]  # [1, n, H]
-        pos = text_positions(positions.to(dev), 0, mrope)
+        pos = text_positions(positions.to(dev), 0, verifier.mrope)
         kv_len = max_len if static else start + len(ids)
         logits, _ = verifier(embeds, pos, torch.tensor(start, device=dev), mask.to(dev), kv_len, prefill=prefill)
         return logits  # [n, V]
 
     run(input_ids, 0, torch.arange(p), torch.ones(p, p, dtype=torch.bool).tril(), prefill=True)
-    prompt_cache = [b.clone() for b in verifier.cache.buffers()]
-    mask = tree_mask(parents)
-    depth = mask.sum(1) - 1  # [T]
-    verified = run(tokens, p, p + depth, mask)  # [T, V]
-    one = torch.ones(1, 1, dtype=torch.bool)
-    checks = []
-    for row in range(t):
-        for b, saved in zip(verifier.cache.buffers(), prompt_cache, strict=True):
-            b.copy_(saved)
-        for d, node in enumerate(_path(parents, row)):  # AR: each node committed at the next position
-            ar = run([tokens[node]], p + d, torch.tensor([p + d]), one)[0]
-        v = verified[row]
-        checks.append(RowCheck(row, int(depth[row]), torch.equal(v, ar), float((v.float() - ar.float()).abs().max()),
-                               bool(v.argmax() == ar.argmax())))
-    return checks
+    return _compare_rows(run, verifier.cache, p, tokens, parents)
 
 
 @torch.inference_mode()
 def decoder_row_agreement(decoder, input_ids: list[int], tokens: list[int], parents: list[int]) -> list[RowCheck]:
     """`row_agreement` through a Decoder's own passes (eager, compiled, or an engine's graphs): the prompt
-    prefilled, the tree of `tokens` / `parents` verified in one pass (its row count must be one the passes run), then
-    for every row the cache reset to the prompt and the row's path stepped as one-row verify passes (the
-    AR step's graph), its logits compared with the tree row's, bit for bit. Text prompts."""
+    prefilled, the tree verified in one pass (its row count must be one the passes run), each row's path
+    stepped as one-row verify passes (the AR step's graph). Text prompts."""
     from glance_rt.round.tree import Tree
     from glance_rt.round.verify import text_positions
 
     passes, verifier = decoder.passes, decoder.verifier
     dev = verifier.embed_tokens.weight.device
-    p = len(input_ids)
 
-    def verify(ids: list[int], start: int, index: Tensor, mask: Tensor, parent: list[int]) -> Tensor:
+    def run(ids: list[int], start: int, index: Tensor, mask: Tensor, parent: list[int]) -> Tensor:
         children = {(q, ids[i]): i for i, q in enumerate(parent) if q >= 0}
         tree = Tree(np.array(ids), np.array(parent), index.numpy() - start, mask.numpy(), children)
         pos = text_positions(index.to(dev), 0, verifier.mrope)
@@ -128,20 +133,5 @@ def decoder_row_agreement(decoder, input_ids: list[int], tokens: list[int], pare
         return logits.clone()  # [n, V] (an engine's outputs are reused by its next call)
 
     embeds = verifier.embed_tokens(torch.tensor(input_ids, device=dev))[None]  # [1, P, H]
-    passes.prefill(embeds, text_positions(torch.arange(p, device=dev), 0, verifier.mrope), 0)
-    cache = verifier.cache  # the passes' caches (an engine's graphs are bound to them)
-    prompt_cache = [b.clone() for b in cache.buffers()]
-    mask = tree_mask(parents)
-    depth = mask.sum(1) - 1  # [T]
-    verified = verify(tokens, p, p + depth, mask, parents)  # [T, V]
-    one = torch.ones(1, 1, dtype=torch.bool)
-    checks = []
-    for row in range(len(tokens)):
-        for b, saved in zip(cache.buffers(), prompt_cache, strict=True):
-            b.copy_(saved)
-        for d, node in enumerate(_path(parents, row)):
-            ar = verify([tokens[node]], p + d, torch.tensor([p + d]), one, [-1])[0]
-        v = verified[row]
-        checks.append(RowCheck(row, int(depth[row]), torch.equal(v, ar), float((v.float() - ar.float()).abs().max()),
-                               bool(v.argmax() == ar.argmax())))
-    return checks
+    passes.prefill(embeds, text_positions(torch.arange(len(input_ids), device=dev), 0, verifier.mrope), 0)
+    return _compare_rows(run, verifier.cache, len(input_ids), tokens, parents)  # the caches the passes write
