@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from glance_rt.errors import GlanceError
-from glance_rt.round.verify import MIN_PREFILL_ROWS, by_rows, example_inputs, static_shapes
+from glance_rt.round.verify import MIN_PREFILL_ROWS, by_rows, drafts, example_inputs, static_shapes
 
 BACKEND = "aoti"
 
@@ -81,18 +81,40 @@ def build(graphs, out: Path, budgets, chain: bool, chunk: int, manifest: dict, p
         tmp.replace(file)
         files[name]["build_seconds"] = round(time.perf_counter() - t0, 1)
     manifest["graphs"] = files
+    manifest["aliases"] = drafter_aliases(graphs)
+
+
+def drafter_aliases(graphs) -> dict:
+    """{the drafter's name of a weight it shares with the target: the target's name for it} (the embeddings
+    and lm_head): a package may name a shared constant either way, and a load without the drafter (an
+    audit's AR over a GLANCE engine) has only the target's names."""
+    names, aliases = {}, {}
+    for n, t in [*graphs.named_parameters(remove_duplicate=False), *graphs.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(f"graphs.{n}")
+    for group in names.values():
+        drafter = [n for n in group if n.startswith("graphs.draft_pass.")]
+        target = [n for n in group if n not in drafter]
+        if drafter and target:
+            aliases.update(dict.fromkeys(drafter, target[0]))
+    return aliases
 
 
 def runners(path: Path, manifest: dict, graphs) -> dict:
     """Load every package with `graphs`' caches (and, `shared` graphs, weights) as user-managed
     constants -> the callables StaticPasses runs (verify dispatches on the tree's row count). A frozen
     package keeps the constants compiled into it (its folded weights have no name in `graphs`);
-    every one of its constants that names a buffer or parameter of `graphs` is taken from `graphs`."""
+    every one of its constants that names a buffer or parameter of `graphs` is taken from `graphs`. Without
+    a drafter (an audit's AR over a GLANCE engine) the drafter's packages are not loaded."""
     consts = {}
     for n, t in [*graphs.named_parameters(remove_duplicate=False), *graphs.named_buffers(remove_duplicate=False)]:
         consts[f"graphs.{n}"] = t.detach()
+    for alias, name in manifest.get("aliases", {}).items():
+        if name in consts:
+            consts.setdefault(alias, consts[name])
     loaded = {}
     for name, info in manifest["graphs"].items():
+        if drafts(name.split("-")[0]) and graphs.draft_pass is None:
+            continue
         frozen = info.get("flavor", manifest["flavor"]) == "frozen"  # per graph where the build measured
         runner = torch._inductor.aoti_load_package(str(path / info["file"]))
         want = runner.get_constant_fqns()

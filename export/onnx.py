@@ -48,7 +48,7 @@ from glance_rt.export.manifest import (
 from glance_rt.export.vision import export_vision
 from glance_rt.export.weights import share_weights
 from glance_rt.models.kv_cache import slot_rows
-from glance_rt.round.verify import MIN_PREFILL_ROWS, example_inputs, static_graphs, static_shapes
+from glance_rt.round.verify import MIN_PREFILL_ROWS, by_rows, drafts, example_inputs, static_graphs, static_shapes
 
 FLAVORS = ("portable", "plugin")
 ROWS = "rows"  # the symbolic row dimension of a verify graph exported for any tree size
@@ -122,8 +122,7 @@ def _translation():
 
 def graph_caches(graphs, name: str) -> list:
     """The KVCache modules a graph reads and writes (an EAGLE-3 head's passes: the head's own)."""
-    drafting = name in ("draft", "context", "draft_batch") or name.startswith("eagle3_")
-    return [graphs.draft_pass.cache] if drafting else [graphs.verifier.cache]
+    return [graphs.draft_pass.cache] if drafts(name) else [graphs.verifier.cache]
 
 
 def graph_buffers(graphs, name: str) -> list:
@@ -221,12 +220,12 @@ def exported_runners(manifest: dict, graphs, make) -> dict:
     it runs a graph exported for several at (`served`), {} for fixed shapes); the graphs built per
     bucket picked by their inputs' shapes: verify by its row count (one per tree-budget bucket, or one
     graph run at each), an EAGLE-3 head's depth passes by beam width, the batched passes by slots (and
-    rows)."""
-    from glance_rt.round.verify import by_rows
-
+    rows). A Decoder without a drafter (an audit's AR over a GLANCE engine) binds the target's graphs only."""
     fns, buckets = {}, {"verify": {}, "eagle3_depth": {}, "verify_batch": {}, "draft_batch": {}}
     for key, info in manifest["graphs"].items():
         name = key.split("-")[0]
+        if drafts(name) and graphs.draft_pass is None:
+            continue
         bufs = graph_buffers(graphs, name)
         for dims in served(info):
             run = make(info, name, bufs, dims)

@@ -227,3 +227,10 @@ def test_cli_build_engine_then_generate(tmp_path_factory, tmp_path):
         # unset, the tree budget is the largest the engine was built for, not its lookup rounds' 7 rows
         tree = 7 if budget else 4
         assert report["tree_budget"] == tree and report["method"] == f"tree-{tree}+lookup@aoti"
+    # sampled: against the same engine without its drafter, whose graphs it then leaves unloaded
+    result = CliRunner().invoke(main, ["audit", "--engine", str(out), "--suite", str(suite), "--max-new-tokens", "12",
+                                       "--temperature", "1.5", "--seed", "3", "--json", str(tmp_path / "a.json")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "a.json").read_text())
+    assert report["exact"] == report["total"] == 2
+    assert report["reference"] == "the same engine's autoregressive sampling (same seed)"

@@ -381,11 +381,14 @@ def test_exact_onnxruntime_engines_verify_rows_as_their_ar_steps(arch, tmp_path)
     own graphs, every row of a 9-row tree (the tree-8 bucket's verify graph) has the logits of the AR step
     at its position (the one-row verify graph) bit for bit, where a fast engine's rows differ; and the
     GLANCE engine commits the tokens of an AR engine built the same way, greedy and sampled. The verify
-    graphs are per bucket (dynamic rows off: a GEMM block's row count is fixed)."""
+    graphs are per bucket (dynamic rows off: a GEMM block's row count is fixed); `audit --exact` of the
+    GLANCE engine, greedy and sampled, is exact."""
     import json
 
     from glance_rt.engines.engine import build_engine
+    from glance_rt.tools.audit import audit
     from glance_rt.tools.numerics import decoder_row_agreement
+    from glance_rt.tools.suites import encode_rows
 
     target, processor = loaded(arch, "float32")
     drafter = glance_rt.init_drafter(target, num_layers=1, block_size=8, seed=2)
@@ -409,3 +412,8 @@ def test_exact_onnxruntime_engines_verify_rows_as_their_ar_steps(arch, tmp_path)
         for s in SAMPLINGS.values():
             assert dec.generate(max_new_tokens=NEW, sampling=s, **inputs).token_ids == \
                 ar.generate(max_new_tokens=NEW, sampling=s, **inputs).token_ids, (prompt, s)
+    # audit --exact: against the engine's own graphs run without the drafter (its draft graphs left unbound)
+    rows = [{"prompt": p, "kind": "chat"} for p in ("Say something long about the sea.", "Hi")]
+    for s in SAMPLINGS.values():
+        report = list(audit(target, dec, rows, encode_rows(target, rows), NEW, progress=False, sampling=s))
+        assert [r.exact for r in report] == [True, True], (s, report)

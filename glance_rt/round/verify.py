@@ -38,6 +38,12 @@ GRAPHS = ("prefill", "verify", "draft", "context")
 EAGLE3_GRAPHS = ("eagle3_context", "eagle3_depth")  # an EAGLE-3 head's fixed-shape passes
 
 
+def drafts(name: str) -> bool:
+    """Whether graph kind `name` (a manifest key's part before "-") is a drafter's pass, which reads and
+    writes the drafter's cache and runs only where a Decoder has a drafter."""
+    return name in ("draft", "context", "draft_batch") or name.startswith("eagle3_")
+
+
 class EagerPasses:
     """Exact-length passes. `drafter`: a DraftPass, any drafter protocol object, or None."""
 
