@@ -436,12 +436,12 @@ def check_drafter(path, dflash):
 @DEVICE
 @click.option("--threshold", default=None, type=float,
               help="Fail only on divergences whose top-1/top-2 margin exceeds this (default: any divergence).")
-@click.option("--json", "json_out", type=click.Path(), default=None, help="Write the per-prompt report here.")
+@click.option("--json", "json_out", type=click.Path(), default=None,
+              help="Write the per-prompt report here (JSON; gzip-compressed if the name ends in .gz).")
 def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, method, sampling, max_length, dtype,
           device, threshold, json_out):
     """Check every output against HF greedy decoding (sampling, or --exact: against the same engine's
     autoregression, with the same seed); exit 1 on a divergence (above --threshold)."""
-    import json
     from dataclasses import asdict
 
     from glance_rt.tools import audit as audit_mod
@@ -470,7 +470,7 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, me
                f"{_describe(dec)}; dtype {str(target.dtype).removeprefix('torch.')}; against "
                f"{audit_mod.reference_name(dec, sampling)}")
     if json_out:
-        from glance_rt.files import atomic_write
+        from glance_rt.files import write_json
 
         report = audit_mod.to_json(results, {"target": target.name, "dtype": str(target.dtype).removeprefix("torch."),
                                              "threshold": threshold, "method": dec.method_name,
@@ -479,7 +479,7 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, me
                                              "sampling": asdict(sampling), "numerics": dec.numerics,
                                              "reference": audit_mod.reference_name(dec, sampling),
                                              "drafter": drafter_path or ("default" if dec.drafter else None)})
-        atomic_write(json_out, lambda p: p.write_text(json.dumps(report, indent=2)))
+        write_json(json_out, report)
     if bad:
         raise SystemExit(1)
 
@@ -502,7 +502,8 @@ def audit(target_path, drafter_path, suite, per_kind, images, max_new_tokens, me
               help="Also bench a built engine (repeatable), as method BASE@BACKEND:NAME.")
 @click.option("--engine-lookup", is_flag=True,
               help="Also run each drafter engine with prompt lookup (BASE+lookup@BACKEND:NAME).")
-@click.option("--json", "json_out", type=click.Path(), default=None, help="Machine-readable report.")
+@click.option("--json", "json_out", type=click.Path(), default=None,
+              help="Machine-readable report (JSON; gzip-compressed if the name ends in .gz).")
 @click.option("--report", "report_md", type=click.Path(), default=None, help="Markdown report.")
 @click.option("--plots", "plot_dir", type=click.Path(), default=None, help="Folder for PNG plots.")
 @click.option("--eagle3", "eagle3_path", type=click.Path(), default=None,

@@ -1,5 +1,7 @@
 """Helpers shared by the runtime and the tools: atomic writes and opening images."""
 
+import gzip
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -20,6 +22,16 @@ def atomic_write(path: Path, write) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_json(path, doc) -> None:
+    """`doc` as indented JSON at `path`, atomically; gzip-compressed where the name ends in .gz (reports
+    kept in docs/ are: `zcat report.json.gz`)."""
+    path = Path(path)
+    text = json.dumps(doc, indent=2).encode()
+    if path.suffix == ".gz":
+        text = gzip.compress(text, mtime=0)
+    atomic_write(path, lambda p: p.write_bytes(text))
 
 
 def atomic_folder(path: Path, write) -> None:

@@ -2,6 +2,7 @@
 output checked against HF greedy, skips with reasons, and a valid partial report on Ctrl-C.
 (No test asserts a timing.)"""
 
+import gzip
 import json
 
 import numpy as np
@@ -57,6 +58,9 @@ def test_report_is_well_formed(report, tmp_path):
         data = (tmp_path / "plots" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert len(written) == 5
+    write_outputs(report, tmp_path / "b.json.gz")  # a .gz name: the same JSON, compressed
+    with gzip.open(tmp_path / "b.json.gz", "rt") as f:
+        assert json.load(f) == json.loads((tmp_path / "b.json").read_text())
 
 
 def test_vlm_skips_prompt_lookup_with_a_reason():

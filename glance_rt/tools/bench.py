@@ -8,7 +8,6 @@ tree-N rounds), `hf` (HF `generate` greedy), `hf-lookup` (HF prompt-lookup decod
 are per prompt (same prompt, same tokens) and summarised by their median and quartiles.
 """
 
-import json
 import os
 import resource
 import time
@@ -20,7 +19,7 @@ import torch
 
 from glance_rt.errors import GlanceError, require
 from glance_rt.export.manifest import read_manifest
-from glance_rt.files import atomic_write
+from glance_rt.files import atomic_write, write_json
 from glance_rt.method import DEFAULT_LOOKUP, Method, job_max_length
 from glance_rt.models.kernels import cpu_model, machine
 from glance_rt.round.adaptive import calibrate
@@ -692,7 +691,7 @@ def _save(fig, path: Path) -> Path:
 def write_outputs(report: dict, json_out=None, report_md=None, plot_dir=None) -> list[Path]:
     written = []
     if json_out:
-        atomic_write(Path(json_out), lambda p: p.write_text(json.dumps(report, indent=2)))
+        write_json(json_out, report)
         written.append(Path(json_out))
     if report_md:
         atomic_write(Path(report_md), lambda p: p.write_text(markdown(report)))
