@@ -168,3 +168,35 @@ def test_missing_headers_and_library_say_what_to_do(tmp_path):
     target, _, _ = tiny_target("llama")
     with pytest.raises(glance_rt.GlanceError, match="plugin' flavor is for onnxruntime"):
         build_engine(target, None, tmp_path / "a", backend="aoti", flavor="plugin", progress=False)
+
+
+def test_plugin_engine_in_exact_numerics(library, tmp_path):
+    """`--flavor plugin --exact`: the decode graphs attend in exact numerics' own ops (no glance node), the
+    prompt's chunks and the draft pass keep the op and run it through the library; every row of a 9-row tree
+    has its AR step's logits bit for bit, and GLANCE commits the exact AR engine's tokens, greedy and sampled."""
+    from glance_rt.tools.numerics import decoder_row_agreement
+
+    target, model, tok = tiny_target("qwen3")
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=8, seed=2)
+    kw = {"backend": "onnxruntime", "max_len": 128, "chunk": 8, "progress": False, "flavor": "plugin",
+          "ort_include": ort_plugin.find_header(), "numerics": "exact"}
+    build_engine(target, drafter, tmp_path / "g", budgets=(0, 8), **kw)
+    build_engine(target, None, tmp_path / "ar", budgets=(0,), **kw)
+    m = json.loads((tmp_path / "g" / "manifest.json").read_text())
+    assert m["flavor"] == "plugin" and m["numerics"] == "exact"
+    glance_nodes = {}
+    for key in ("prefill", "verify-9", "draft"):
+        graph = onnx.load(str(tmp_path / "g" / m["graphs"][key]["file"]), load_external_data=False)
+        glance_nodes[key] = sum(n.domain == "glance" for n in graph.graph.node)
+    assert glance_nodes["verify-9"] == 0 and glance_nodes["prefill"] > 0 and glance_nodes["draft"] > 0, glance_nodes
+    dec = glance_rt.Decoder.from_engine(tmp_path / "g", target, drafter, gate=False, lookup=0)
+    ar = glance_rt.Decoder.from_engine(tmp_path / "ar", target, None)
+    assert dec.numerics == ar.numerics == "exact"
+    rows = decoder_row_agreement(dec, list(range(5, 40)), [11, 12, 13, 14, 15, 16, 17, 18, 19],
+                                 [-1, 0, 0, 1, 1, 2, 3, 5, 6])
+    assert all(r.equal for r in rows), rows
+    for prompt in ("Hello there.", "A longer prompt, so that the prefill takes several chunks of eight rows."):
+        inputs = make_inputs("qwen3", tok, prompt=prompt)
+        for sampling in (glance_rt.Sampling(), glance_rt.Sampling(do_sample=True, temperature=1.5, seed=7)):
+            assert dec.generate(max_new_tokens=16, sampling=sampling, **inputs).token_ids == \
+                ar.generate(max_new_tokens=16, sampling=sampling, **inputs).token_ids, (prompt, sampling)
