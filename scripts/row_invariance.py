@@ -36,7 +36,7 @@ TREE = ([11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [-1, 0, 0, 1, 1, 2, 3, 6, 
 
 def linear_table(shapes, rows) -> list[dict]:
     from glance_rt.models.exact import RowBlockLinear
-    from glance_rt.tools.numerics import linear_invariance
+    from glance_rt.models.kernels import linear_invariance
 
     out = []
     g = torch.Generator().manual_seed(0)

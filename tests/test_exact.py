@@ -51,7 +51,6 @@ def through_the_path_kernel(q, k, v, tree_mask, prefix_len, scale, static):
     return exact.path_attention(q, k, v, tree_mask, prefix_len, scale, 32)  # the op, as CUDA calls it
 
 
-@pytest.mark.usefixtures("interpreter_bf16_dot")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_verify_rows_are_ar_steps_through_the_path_kernel(dtype, monkeypatch):
     """On CUDA exact numerics attend through the Triton path kernel (one launch a layer, no gathered
@@ -97,7 +96,7 @@ def test_the_cuda_kernels_are_ops_that_compile_whole():
 def test_row_block_linear_is_the_linear_and_row_invariant():
     """RowBlockLinear computes the layer (bias included) and a row's bits do not depend on how many rows
     come with it, in every dtype (torch's own fp32 GEMM is not: the fast path differs)."""
-    from glance_rt.tools.numerics import linear_invariance
+    from glance_rt.models.kernels import linear_invariance
 
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -203,7 +202,8 @@ def test_exact_glance_and_its_ar_run_the_same_kernels():
         best = "onednn" if rows >= 9 else "mkl_t"
         return {k: 1.0 if k == best else 2.0 for k in KERNELS}
 
-    tuner = KernelTuner(timer=timer, cache=False, pass_timer=lambda key, runs: {"plan": 1.0, "plain": 2.0})
+    tuner = KernelTuner(timer=timer, cache=False, pass_timer=lambda key, runs: {"plan": 1.0, "plain": 2.0},
+                        prober=lambda *request: {"differs_at": 2})  # no kernel row-invariant: blocks
     target, processor = loaded("llama", "float32")  # (the kernels are chosen for fp32 weights)
     inputs = make_inputs("llama", processor, prompt="Say something long about the sea.", n_images=0)
     drafter = glance_rt.init_drafter(target, num_layers=1, block_size=8, seed=2)
@@ -219,6 +219,58 @@ def test_exact_glance_and_its_ar_run_the_same_kernels():
     assert all(a is b for a, b in zip(linears(glance), linears(ar), strict=True))
     want = ar.generate(max_new_tokens=NEW, **inputs).token_ids
     assert glance.generate(max_new_tokens=NEW, **inputs).token_ids == want
+
+
+def test_exact_numerics_run_whole_calls_of_a_kernel_proved_row_invariant():
+    """Where oneDNN's prepacked fp32 kernel gives, on this machine, every row of a call of 1 to 32 rows a
+    one-row call's bits (the tuner's probe, per weight shape), exact decode passes run it in whole calls,
+    unpadded: every tree row still has its AR step's logits bit for bit, and GLANCE commits its AR's tokens,
+    greedy and sampled. A probe that finds a row count where the bits differ keeps the padded blocks."""
+    from glance_rt.models.kernels import KERNELS, KernelTuner, kernel_of, onednn_invariance
+    from glance_rt.tools.numerics import decoder_row_agreement
+
+    target, processor = loaded("llama", "float32")
+    inputs = make_inputs("llama", processor, prompt="Say something long about the sea.", n_images=0)
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=8, seed=2)
+    probed = {}
+
+    def probe(*request):
+        probed[request] = onednn_invariance(*request)
+        return probed[request]
+
+    for prober in (probe, lambda *request: {"differs_at": 9}):
+        tuner = KernelTuner(timer=lambda *req: dict.fromkeys(KERNELS, 1.0), cache=False, prober=prober,
+                            pass_timer=lambda key, runs: {"plan": 1.0, "plain": 2.0})
+        kw = {"max_length": 256, "numerics": "exact", "prepack": tuner}
+        glance = glance_rt.Decoder(target, drafter, gate=False, lookup=0, **kw)
+        ar = glance_rt.Decoder(target, None, **kw)
+        calls = {(m.pad, m.block, kernel_of(m.linear)) for m in glance.verifier.modules()
+                 if isinstance(m, exact.RowBlockLinear)}
+        whole = prober is probe and all(v["differs_at"] == 0 for v in probed.values())
+        assert calls == ({(False, exact.INVARIANT_ROWS, "onednn")} if whole else {(True, exact.EXACT_ROWS, "mkl")})
+        rows = decoder_row_agreement(glance, PROMPT, *TREE)
+        assert all(r.equal for r in rows), (prober, rows)
+        for s in SAMPLINGS.values():
+            assert glance.generate(max_new_tokens=NEW, sampling=s, **inputs).token_ids == \
+                ar.generate(max_new_tokens=NEW, sampling=s, **inputs).token_ids, (prober, s)
+    assert {r[2:5] for r in probed} == {(8, exact.INVARIANT_ROWS, torch.float32)}  # the block's layout, 1..32 rows
+
+
+def test_the_row_invariance_probe_catches_a_split_k_kernel():
+    """`first_difference` (the probe's verdict): a kernel that reduces one row over K at once and several
+    rows in two halves (split-K) differs from 2 rows on; one whose rows are computed alone differs nowhere."""
+    from glance_rt.models.kernels import first_difference
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(48, 64, generator=g), torch.randn(12, 64, generator=g)
+
+    def split_k(x, w):
+        if x.shape[0] == 1:
+            return F.linear(x, w)
+        return F.linear(x[:, :32], w[:, :32]) + F.linear(x[:, 32:], w[:, 32:])
+
+    assert first_difference(split_k, x, w) == 2
+    assert first_difference(lambda x, w: torch.cat([F.linear(r[None], w) for r in x]), x, w) == 0
 
 
 def test_eagle3_head_in_exact_numerics():

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from glance_rt.tools.numerics import linear_invariance
+from glance_rt.models.kernels import linear_invariance
 
 mm = pytest.importorskip("glance_rt.plugins.matmul_triton", reason="triton is not installed")
 triton = pytest.importorskip("triton")
@@ -29,7 +29,6 @@ def case(dtype, n=80, k=72, rows=33, bias=True, seed=0):
     return x, w, b
 
 
-@pytest.mark.usefixtures("interpreter_bf16_dot")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bias", [True, False])
 def test_it_is_the_linear_layer(dtype, bias):
@@ -41,7 +40,6 @@ def test_it_is_the_linear_layer(dtype, bias):
     torch.testing.assert_close(got.reshape(33, -1).float(), want, rtol=TOL[dtype], atol=TOL[dtype])
 
 
-@pytest.mark.usefixtures("interpreter_bf16_dot")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_row_gets_the_same_bits_whatever_the_rows_beside_it(dtype):
     x, w, b = case(dtype)

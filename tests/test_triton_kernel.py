@@ -37,7 +37,6 @@ def expected(q, k, v, mask, prefix, scale):
     return tree_attention_reference(q, k, v, mask.cpu(), torch.tensor(prefix), scale)
 
 
-@pytest.mark.usefixtures("interpreter_bf16_dot")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1), (12, 2)])
 @pytest.mark.parametrize("t,prefix,d", [(1, 7, 16), (1, 70, 64), (5, 0, 16), (9, 13, 8), (17, 100, 32), (24, 64, 24)])
@@ -77,7 +76,6 @@ def test_kernel_sees_prefix_by_length_not_by_mask():
 # ----------------------------------------------------------------------------- split-KV
 
 
-@pytest.mark.usefixtures("interpreter_bf16_dot")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads,kv_heads,t,prefix,d,split_rows", [
     (4, 2, 1, 100, 16, 16),  # an AR step over 7 splits, the last one partial
@@ -146,7 +144,6 @@ def test_tuned_launches_match_the_reference(tune):
         torch.testing.assert_close(got.cpu(), want, atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.usefixtures("interpreter_bf16_dot")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("split_rows", [None, 16])
 def test_a_batch_is_one_launch_with_each_sequences_own_result(dtype, split_rows):
@@ -373,7 +370,6 @@ PATH_CASES = [  # heads, kv_heads, T, prefix, head dim, split rows
 ]
 
 
-@pytest.mark.usefixtures("interpreter_bf16_dot")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads,kv_heads,t,prefix,d,split_rows", PATH_CASES)
 def test_path_kernel_rows_are_their_ar_steps_bit_for_bit(dtype, heads, kv_heads, t, prefix, d, split_rows):

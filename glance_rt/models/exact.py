@@ -12,7 +12,12 @@ keeps the fast kernels) runs:
   zeros to a multiple of it (`RowBlockLinear`): a GEMM of a fixed shape reduces every output element
   in one order whatever the row's neighbours and its place in the block, so a row gets the same bits
   in a one-row step and in any verify pass (checked across the tiny architectures and dtypes, and a
-  planted variant whose reduction depends on the row count is caught: tests/test_exact.py). On CUDA,
+  planted variant whose reduction depends on the row count is caught: tests/test_exact.py). On a CPU
+  whose oneDNN prepacked fp32 kernel proves row-invariant (every row of a call of 1 to
+  `INVARIANT_ROWS` rows gets a one-row call's bits; probed per weight shape by the kernel tuner and
+  cached per machine, `glance_rt.models.kernels.row_invariance`), that kernel in whole calls of up to
+  that many rows instead: no padding, each weight read once per call (on a 2-core AMD EPYC, MKL's
+  GEMM is not row-invariant and oneDNN's, laid out for 8 rows, is). On CUDA,
   the Triton matmul of `glance_rt.plugins.matmul_triton` instead (fixed tiles, no split-K; through
   Triton's interpreter here, not yet run on a GPU);
 - attention one row at a time over the row's own visible cache rows in cache order: the committed
@@ -43,6 +48,7 @@ from torch import Tensor, nn
 from glance_rt.models.attention import per_sequence, visibility
 
 EXACT_ROWS = 8  # rows of every GEMM of an exact decode pass
+INVARIANT_ROWS = 32  # the most rows of one call of a kernel proved row-invariant (checked for 1..this many)
 
 
 @dataclass(frozen=True)
@@ -50,10 +56,14 @@ class ExactNumerics:
     """How a decoder's decode passes run in exact numerics: every GEMM at `rows` rows (on CUDA the Triton
     matmul); attention row by row over each row's visible cache rows: on CUDA the Triton path kernel, on
     a CPU the rows gathered to their exact count (`row_attention`, eager passes) or, `static`, to the
-    fixed length of the cache (`static_row_attention`: no host reads, so compiled graphs carry it)."""
+    fixed length of the cache (`static_row_attention`: no host reads, so compiled graphs carry it).
+    `invariant_rows`: a linear whose oneDNN prepacked kernel gives, on this machine, every row of a call of
+    up to this many rows a one-row call's bits (probed by the kernel tuner, `KernelPlan.invariant`) runs in
+    whole calls of up to that many rows instead of padded blocks (0: blocks everywhere)."""
 
     rows: int = EXACT_ROWS
     static: bool = False
+    invariant_rows: int = INVARIANT_ROWS
 
     @property
     def attention(self):
@@ -108,13 +118,14 @@ def _(x, weight, bias):
 class RowBlockLinear(nn.Module):
     """`linear` computed as GEMMs of exactly `block` rows: an nn.Linear (its weights shared) or any kernel
     module of one (`glance_rt.models.kernels.kernel_module`: a `PackedLinear`, a `TransposedLinear`).
-    On CUDA an nn.Linear runs the Triton matmul whose reduction order is fixed per output element
-    whatever the rows (`glance_rt.plugins.matmul_triton`; no padding needed, and no library's choice
-    of algorithm or split-K by shape)."""
+    `pad` False (a kernel proved row-invariant for calls of 1..`block` rows): calls of `block` rows and one
+    of the remainder, unpadded. On CUDA an nn.Linear runs the Triton matmul whose reduction order is fixed
+    per output element whatever the rows (`glance_rt.plugins.matmul_triton`; no padding needed, and no
+    library's choice of algorithm or split-K by shape)."""
 
-    def __init__(self, linear: nn.Module, block: int = EXACT_ROWS):
+    def __init__(self, linear: nn.Module, block: int = EXACT_ROWS, pad: bool = True):
         super().__init__()
-        self.linear, self.block = linear, block
+        self.linear, self.block, self.pad = linear, block, pad
 
     def forward(self, x: Tensor) -> Tensor:
         if x.is_cuda and isinstance(self.linear, nn.Linear):
@@ -122,6 +133,8 @@ class RowBlockLinear(nn.Module):
         lead, k = x.shape[:-1], x.shape[-1]
         rows = x.reshape(-1, k)  # [n, K]
         n = rows.shape[0]
+        if not self.pad:  # [n, N] in calls of at most `block` rows
+            return torch.cat([self.linear(blk) for blk in rows.split(self.block)]).reshape(*lead, -1)
         pad = -n % self.block
         if pad:
             rows = torch.cat([rows, rows.new_zeros(pad, k)])  # [n + pad, K]

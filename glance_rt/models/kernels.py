@@ -168,6 +168,40 @@ def time_pass(key: str, runs: dict[str, Callable[[], object]], budget_s: float =
     return time_calls(runs, budget_s, max_reps, warmup=2, min_reps=7)
 
 
+def linear_invariance(linear, x: Tensor, w: Tensor, rows=(2, 3, 8, 9, 16, 17, 33)) -> dict[int, int]:
+    """{T: elements of `linear(x[:T], w)` that differ from the same rows computed one row per call}
+    for each T in `rows` (0 everywhere: row-invariant for these shapes)."""
+    out = {}
+    with torch.no_grad():
+        alone = torch.cat([linear(x[i : i + 1], w) for i in range(max(rows))])  # [max T, out]
+        for t in rows:
+            out[t] = int((linear(x[:t], w) != alone[:t]).sum())
+    return out
+
+
+def onednn_invariance(out_features: int, in_features: int, layout_rows: int, rows: int, dtype: torch.dtype,
+                      bias: bool) -> dict:
+    """{"differs_at": T}: the least row count T <= `rows` at which a call of oneDNN's prepacked kernel (laid
+    out for `layout_rows` rows) gives some row other bits than a one-row call gives it, on this machine, for
+    a random weight [out, in] (and bias) of `dtype`; 0 where none does (`linear_invariance`): the kernel's
+    order of summation per output element is then the same whatever a call's rows, and exact numerics run
+    whole calls of up to `rows` rows instead of padded blocks. Random data suffice: the order does not
+    depend on the data, and a different order shows in some of a row's elements."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(out_features, in_features, generator=g, dtype=torch.float32).to(dtype)
+    b = torch.randn(out_features, generator=g, dtype=torch.float32).to(dtype) if bias else None
+    x = torch.randn(rows, in_features, generator=g, dtype=torch.float32).to(dtype)
+    packed = PackedLinear(w, b, layout_rows)
+    return {"differs_at": first_difference(lambda x, _w: packed(x), x, w)}
+
+
+def first_difference(linear, x: Tensor, w: Tensor) -> int:
+    """The least row count T <= len(x) whose call `linear(x[:T], w)` gives some row other bits than a
+    one-row call of it (`linear_invariance`), 0 if none."""
+    diff = linear_invariance(linear, x, w, range(2, x.shape[0] + 1))
+    return min((t for t, n in diff.items() if n), default=0)
+
+
 # ----------------------------------------------------------------------------- the tuner
 
 
@@ -180,13 +214,16 @@ class KernelTuner:
     cached in `cache` (None: `default_cache_path()`; False: no file) under the key of `machine()`, so
     a change of CPU, threads or library version re-times. `margin`: a kernel other than torch's own
     ("mkl") is chosen only when it is at least this fraction faster; `pass_margin`: a pass keeps its
-    chosen kernels only when it is at least this fraction faster than the plain pass."""
+    chosen kernels only when it is at least this fraction faster than the plain pass. `prober(out, in,
+    layout rows, rows, dtype, bias)` -> {"differs_at": M}: whether oneDNN's prepacked kernel is row-invariant
+    on this machine (`onednn_invariance`; exact numerics, `KernelPlan.invariant`), cached likewise."""
 
     timer: Callable = time_linear
     cache: Path | bool | None = None
     margin: float = 0.03
     pass_timer: Callable = time_pass
     pass_margin: float = 0.01
+    prober: Callable = onednn_invariance
     _memo: dict = field(default_factory=dict, compare=False, repr=False)  # {section: {entry key: timing}}
 
     def _path(self) -> Path | None:
@@ -217,6 +254,15 @@ class KernelTuner:
     def pass_times(self, key: str, runs: dict[str, Callable[[], object]]) -> dict[str, float]:
         """{"plan": s, "plain": s}: the pass `key` names run both ways (`runs`), timed once per machine."""
         return self._cached("passes", {key: lambda: self.pass_timer(key, runs)}, lambda t: _valid(t, PASS_WAYS))[key]
+
+    def invariance(self, request: tuple) -> bool:
+        """Whether oneDNN's prepacked kernel gives every row of a call of up to `rows` rows a one-row call's
+        bits, for `request` = (out, in, layout rows, rows, dtype, bias), probed once per machine."""
+        out_f, in_f, layout, rows, dtype, bias = request
+        key = f"{_entry(out_f, in_f, rows, dtype)}/layout{layout}{'+bias' if bias else ''}"
+        got = self._cached("invariance", {key: lambda: self.prober(*request)},
+                           lambda t: isinstance(t, dict) and isinstance(t.get("differs_at"), int))
+        return got[key]["differs_at"] == 0
 
     def _cached(self, section: str, wanted: dict[str, Callable[[], dict]], valid: Callable) -> dict[str, dict]:
         """{name: timing} for `wanted` ({name: fn timing it}), from this tuner's memo, else the cache
@@ -322,13 +368,25 @@ class KernelPlan:
             return module
         ks = self.kernels(module.weight)
         kernel = ks[nearest_class(rows, tuple(ks))]
-        if kernel == "mkl":
-            return module
+        return module if kernel == "mkl" else self.kernel(module, kernel)
+
+    def kernel(self, module: nn.Linear, kernel: str) -> nn.Module:
+        """`module` run by `kernel` (oneDNN: laid out for `layout_rows`), made once per weight and layout."""
         # the value keeps the weight alive, so its id stays its own; only oneDNN's layout depends on the rows
         key = (id(module.weight), kernel, self.layout_rows if kernel == "onednn" else 0)
         if key not in self.layouts:
             self.layouts[key] = (module.weight, kernel_module(kernel, module, self.layout_rows))
         return self.layouts[key][1]
+
+    def invariant(self, module: nn.Module, rows: int) -> bool:
+        """Whether oneDNN's kernel, laid out for this plan's rows, runs `module` (a packable nn.Linear) with
+        every row of a call of up to `rows` rows getting the bits of a one-row call, on this machine (probed
+        by the tuner and cached; no tuner: not probed, False)."""
+        if self.tuner is None or not (isinstance(module, nn.Linear) and can_pack(module.weight)):
+            return False
+        out_f, in_f = module.weight.shape
+        return self.tuner.invariance((out_f, in_f, self.layout_rows, rows, module.weight.dtype,
+                                      module.bias is not None))
 
 
 def with_plan(plan: KernelPlan | None, module: nn.Module, rows: int) -> nn.Module:

@@ -36,8 +36,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def linear_for(plan: KernelPlan | None, module: nn.Module, rows: int, exact: ExactNumerics | None) -> nn.Module:
     """The module a linear layer runs as: the plan's kernel at `rows` rows (`with_plan`); with `exact`
-    numerics, that kernel at `exact.rows` rows, always called with exactly that many."""
+    numerics, that kernel at `exact.rows` rows, always called with exactly that many, or, where oneDNN's
+    prepacked kernel proved row-invariant on this machine for calls of up to `exact.invariant_rows` rows
+    (`KernelPlan.invariant`), that kernel in calls of up to that many rows, unpadded."""
     if exact is not None:
+        if exact.invariant_rows and plan is not None and plan.invariant(module, exact.invariant_rows):
+            return RowBlockLinear(plan.kernel(module, "onednn"), exact.invariant_rows, pad=False)
         return RowBlockLinear(with_plan(plan, module, exact.rows), exact.rows)
     return with_plan(plan, module, rows)
 

@@ -2,8 +2,9 @@
 autoregressive step at that position with the same prefix?
 
 Two measurements:
-- `linear_invariance`: one linear layer's output rows computed in a call of T rows against the same
-  rows computed one at a time (torch's own GEMM, or any `linear(x, w)`);
+- `glance_rt.models.kernels.linear_invariance`: one linear layer's output rows computed in a call of T
+  rows against the same rows computed one at a time (torch's own GEMM, or any `linear(x, w)`; exact
+  numerics' kernel probe runs it too);
 - `row_agreement`: a whole target. A prompt is prefilled, then a tree of T rows is verified in one pass;
   for every row, the cache is reset to the prompt and the row's path (root first) is stepped one row at
   a time, as autoregressive decoding would commit it. The row's logits are compared with the last
@@ -29,17 +30,6 @@ class RowCheck:
     equal: bool  # logits bit-identical to the AR step's
     max_diff: float  # max |verify - AR| over the vocabulary
     argmax_equal: bool  # the greedy token agrees
-
-
-def linear_invariance(linear, x: Tensor, w: Tensor, rows=(2, 3, 8, 9, 16, 17, 33)) -> dict[int, int]:
-    """{T: elements of `linear(x[:T], w)` that differ from the same rows computed one row per call}
-    for each T in `rows` (0 everywhere: row-invariant for these shapes)."""
-    out = {}
-    for t in rows:
-        full = linear(x[:t], w)
-        one = torch.cat([linear(x[i : i + 1], w) for i in range(t)])
-        out[t] = int((full != one).sum())
-    return out
 
 
 def torch_linear(x: Tensor, w: Tensor) -> Tensor:
