@@ -15,7 +15,7 @@ keeps the fast kernels) runs:
   planted variant whose reduction depends on the row count is caught: tests/test_exact.py). On a CPU
   whose oneDNN prepacked fp32 kernel proves row-invariant (every row of a call of 1 to
   `INVARIANT_ROWS` rows gets a one-row call's bits; probed per weight shape by the kernel tuner and
-  cached per machine, `glance_rt.models.kernels.row_invariance`), that kernel in whole calls of up to
+  cached per machine, `glance_rt.models.kernels.onednn_invariance`), that kernel in whole calls of up to
   that many rows instead: no padding, each weight read once per call (on a 2-core AMD EPYC, MKL's
   GEMM is not row-invariant and oneDNN's, laid out for 8 rows, is). On CUDA,
   the Triton matmul of `glance_rt.plugins.matmul_triton` instead (fixed tiles, no split-K; through
