@@ -133,8 +133,9 @@ class RowBlockLinear(nn.Module):
         lead, k = x.shape[:-1], x.shape[-1]
         rows = x.reshape(-1, k)  # [n, K]
         n = rows.shape[0]
-        if not self.pad:  # [n, N] in calls of at most `block` rows
-            return torch.cat([self.linear(blk) for blk in rows.split(self.block)]).reshape(*lead, -1)
+        if not self.pad:  # [n, N] in calls of at most `block` rows (one call, no copy, when n fits)
+            out = self.linear(rows) if n <= self.block else torch.cat([self.linear(b) for b in rows.split(self.block)])
+            return out.reshape(*lead, -1)
         pad = -n % self.block
         if pad:
             rows = torch.cat([rows, rows.new_zeros(pad, k)])  # [n + pad, K]
