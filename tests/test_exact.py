@@ -426,6 +426,33 @@ def test_visible_first_is_a_stable_sort_of_the_hidden_rows():
         assert torch.equal(keep, torch.arange(seen.shape[1])[None] < seen.sum(1, keepdim=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_attention_gives_each_row_its_ar_steps_bits(dtype):
+    """Eager exact attention (`row_attention`: a scratch prefix, each row's path written behind it in
+    depth-first order) == the masked reference, and every row == a one-row step over its path committed
+    behind the prefix, bit for bit: the test's tree, a chain, a star, and a mask whose rows see arbitrary
+    earlier rows (not a tree: each row's visible rows then differ from the last row's in several places)."""
+    gen = torch.Generator().manual_seed(0)
+    p, heads, kv_heads, d, length = 40, 6, 2, 16, 96
+    masks = [tree_mask(TREE[1]), tree_mask([-1, 0, 1, 2, 3]), tree_mask([-1, 0, 0, 0, 0])]
+    seen = torch.rand(9, 9, generator=gen) < 0.5
+    masks.append(torch.tril(seen, -1) | torch.eye(9, dtype=torch.bool))
+    for mask in masks:
+        t = mask.shape[0]
+        q = torch.randn(1, heads, t, d, generator=gen).to(dtype)
+        k, v = (torch.randn(1, kv_heads, length, d, generator=gen).to(dtype) for _ in range(2))
+        out = exact.row_attention(q, k, v, mask, torch.tensor(p), 0.25)
+        ref = tree_attention_reference(q, k, v, mask, torch.tensor(p), 0.25)
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+        for i in range(t):
+            path = p + mask[i].nonzero()[:, 0]  # [n]: its visible tree rows, itself last
+            n = p + path.numel()
+            kc, vc = k.clone(), v.clone()  # the cache once its path is committed behind the prefix
+            kc[:, :, p:n], vc[:, :, p:n] = k[:, :, path], v[:, :, path]
+            step = exact.row_attention(q[:, :, i : i + 1], kc, vc, mask[:1, :1], torch.tensor(n - 1), 0.25)
+            assert torch.equal(step[:, :, 0], out[:, :, i]), (i, mask[i].nonzero()[:, 0].tolist())
+
+
 @pytest.mark.full
 @pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
 def test_exact_onnxruntime_engines_verify_rows_as_their_ar_steps(arch, tmp_path):

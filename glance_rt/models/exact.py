@@ -28,11 +28,12 @@ keeps the fast kernels) runs:
   (`tree_attention(..., exact=True)` in `glance_rt.plugins.tree_attention_triton`): one launch for
   every row and sequence of a pass, each program walking one row's path through the cache where it
   lies (no gathered copies; reads prefix_len on the device, so CUDA graphs capture it). On a CPU, torch
-  SDPA over the rows gathered (`row_attention`, `static_row_attention`).
+  SDPA over a slice holding the row's rows in order (`row_attention`, `static_row_attention`).
 
 Norms, activations, rotary embeddings and the residual adds work row by row and are left as they are.
-On a CPU, eager passes gather each row's rows to their exact count (`row_attention`: it reads the prefix
-length on the host); fixed-shape passes (backend="compile") gather them to the front of a sequence as
+On a CPU, eager passes attend each row's rows at their exact count (`row_attention`: it reads the prefix
+length on the host; an AR step attends the cache's own rows, a tree's rows a scratch copy of the prefix
+with the row's path behind it); fixed-shape passes (backend="compile") gather them to the front of a sequence as
 long as the cache and mask the rest (`static_row_attention`: no host read). Each backend's AR and GLANCE
 agree bit for bit; there the two backends need not agree with each other (on CUDA both run the path
 kernel).
@@ -55,7 +56,7 @@ INVARIANT_ROWS = 32  # the most rows of one call of a kernel proved row-invarian
 class ExactNumerics:
     """How a decoder's decode passes run in exact numerics: every GEMM at `rows` rows (on CUDA the Triton
     matmul); attention row by row over each row's visible cache rows: on CUDA the Triton path kernel, on
-    a CPU the rows gathered to their exact count (`row_attention`, eager passes) or, `static`, to the
+    a CPU the rows at their exact count (`row_attention`, eager passes) or, `static`, gathered to the
     fixed length of the cache (`static_row_attention`: no host reads, so compiled graphs carry it).
     `invariant_rows`: a linear whose oneDNN prepacked kernel gives, on this machine, every row of a call of
     up to this many rows a one-row call's bits (probed by the kernel tuner, `KernelPlan.invariant`) runs in
@@ -145,18 +146,35 @@ class RowBlockLinear(nn.Module):
 
 def row_attention(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len: Tensor, scale: float) -> Tensor:
     """`glance::tree_attention`'s result (shapes as `tree_attention_reference`) computed one query row at
-    a time over its visible cache rows gathered in order: q [1, H, T, D]; k, v [1, KVH, L, D]."""
+    a time over its visible cache rows in cache order, as the slice [0, n) of a sequence holding them
+    there: q [1, H, T, D]; k, v [1, KVH, L, D]. A one-row step (T = 1, seeing rows 0..p) attends the
+    cache's own rows; a tree's rows attend a scratch copy of the prefix (one per call) behind which each
+    row's path (its ancestors and itself) stands when its turn comes. Either way a row at cache position
+    j attends the first j + 1 rows of a sequence laid out as the one an autoregressive step at j reads.
+    The rows take turns in depth-first order, so a row's path differs from the one in place by the row
+    alone (only what differs is written: any mask works, a tree costs one row copy a row)."""
     kv_heads, d = k.shape[1], q.shape[3]
-    groups, t = q.shape[1] // kv_heads, q.shape[2]
+    h, t = q.shape[1], q.shape[2]
     p = int(prefix_len)
-    prefix = torch.arange(p, device=q.device)
-    out = []
-    for i in range(t):
-        seen = torch.cat([prefix, p + tree_mask[i].nonzero()[:, 0]])  # [n]: the prefix, its ancestors, itself
-        qi = q[:, :, i].reshape(1, kv_heads, groups, d)  # [1, KVH, G, D]
-        oi = F.scaled_dot_product_attention(qi, k[:, :, seen], v[:, :, seen], scale=scale)  # [1, KVH, G, D]
-        out.append(oi.reshape(1, kv_heads * groups, 1, d))
-    return torch.cat(out, 2)  # [1, H, T, D]
+    qg = q[0].transpose(0, 1).reshape(t, 1, kv_heads, h // kv_heads, d)  # [T, 1, KVH, G, D]
+    if t == 1:
+        out = F.scaled_dot_product_attention(qg[0], k[:, :, : p + 1], v[:, :, : p + 1], scale=scale)
+        return out.reshape(1, h, 1, d)
+    ks, vs = (x.new_empty(1, kv_heads, p + t, d) for x in (k, v))  # [1, KVH, p + T, D]: prefix, then a path
+    ks[:, :, :p], vs[:, :, :p] = k[:, :, :p], v[:, :, :p]
+    paths = [[] for _ in range(t)]  # each row's visible tree rows, in cache order
+    for row, seen in tree_mask.nonzero().tolist():
+        paths[row].append(seen)
+    out, held = [None] * t, []  # held: the tree rows now behind the prefix in the scratch
+    for i in sorted(range(t), key=paths.__getitem__):  # depth first
+        path, same = paths[i], 0
+        while same < min(len(held), len(paths[i])) and held[same] == path[same]:
+            same += 1
+        for j in range(same, len(path)):
+            ks[:, :, p + j], vs[:, :, p + j] = k[:, :, p + path[j]], v[:, :, p + path[j]]
+        held, n = path, p + len(path)
+        out[i] = F.scaled_dot_product_attention(qg[i], ks[:, :, :n], vs[:, :, :n], scale=scale)  # [1, KVH, G, D]
+    return torch.cat(out).reshape(t, h, d).transpose(0, 1)[None]  # [1, H, T, D]
 
 
 def visible_first(seen: Tensor) -> tuple[Tensor, Tensor]:
