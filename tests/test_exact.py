@@ -221,21 +221,24 @@ def test_exact_glance_and_its_ar_run_the_same_kernels():
     assert glance.generate(max_new_tokens=NEW, **inputs).token_ids == want
 
 
-def test_exact_numerics_run_whole_calls_of_a_kernel_proved_row_invariant():
-    """Where oneDNN's prepacked fp32 kernel gives, on this machine, every row of a call of 1 to 32 rows a
-    one-row call's bits (the tuner's probe, per weight shape), exact decode passes run it in whole calls,
-    unpadded: every tree row still has its AR step's logits bit for bit, and GLANCE commits its AR's tokens,
-    greedy and sampled. A probe that finds a row count where the bits differ keeps the padded blocks."""
-    from glance_rt.models.kernels import KERNELS, KernelTuner, kernel_of, onednn_invariance
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_exact_numerics_run_whole_calls_of_a_kernel_proved_row_invariant(dtype):
+    """Where a kernel gives, on this machine, every row of a call of 1 to 32 rows a one-row call's bits (the
+    tuner's probe, per weight shape: oneDNN's prepacked kernel for fp32 weights, torch's own linear for
+    bf16, which is not prepacked), exact decode passes run it in whole calls, unpadded: every tree row still
+    has its AR step's logits bit for bit, and GLANCE commits its AR's tokens, greedy and sampled. A probe
+    that finds a row count where the bits differ keeps the padded blocks."""
+    from glance_rt.models.kernels import KERNELS, KernelTuner, kernel_of, row_invariance
     from glance_rt.tools.numerics import decoder_row_agreement
 
-    target, processor = loaded("llama", "float32")
+    target, processor = loaded("llama", dtype)
     inputs = make_inputs("llama", processor, prompt="Say something long about the sea.", n_images=0)
     drafter = glance_rt.init_drafter(target, num_layers=1, block_size=8, seed=2)
+    kernel = "onednn" if dtype == "float32" else "mkl"  # the one the blocks would run too
     probed = {}
 
     def probe(*request):
-        probed[request] = onednn_invariance(*request)
+        probed[request] = row_invariance(*request)
         return probed[request]
 
     for prober in (probe, lambda *request: {"differs_at": 9}):
@@ -247,13 +250,15 @@ def test_exact_numerics_run_whole_calls_of_a_kernel_proved_row_invariant():
         calls = {(m.pad, m.block, kernel_of(m.linear)) for m in glance.verifier.modules()
                  if isinstance(m, exact.RowBlockLinear)}
         whole = prober is probe and all(v["differs_at"] == 0 for v in probed.values())
-        assert calls == ({(False, exact.INVARIANT_ROWS, "onednn")} if whole else {(True, exact.EXACT_ROWS, "mkl")})
+        assert calls == ({(False, exact.INVARIANT_ROWS, kernel)} if whole else {(True, exact.EXACT_ROWS, "mkl")})
         rows = decoder_row_agreement(glance, PROMPT, *TREE)
         assert all(r.equal for r in rows), (prober, rows)
         for s in SAMPLINGS.values():
             assert glance.generate(max_new_tokens=NEW, sampling=s, **inputs).token_ids == \
                 ar.generate(max_new_tokens=NEW, sampling=s, **inputs).token_ids, (prober, s)
-    assert {r[2:5] for r in probed} == {(8, exact.INVARIANT_ROWS, torch.float32)}  # the block's layout, 1..32 rows
+    # the kernel probed, laid out for the block (oneDNN) or as it is, for calls of 1..32 rows
+    assert {(r[0], r[3], *r[4:6]) for r in probed} == {(kernel, 8 if kernel == "onednn" else 0, exact.INVARIANT_ROWS,
+                                                        getattr(torch, dtype))}
 
 
 def test_the_row_invariance_probe_catches_a_split_k_kernel():

@@ -58,13 +58,15 @@ class ExactNumerics:
     matmul); attention row by row over each row's visible cache rows: on CUDA the Triton path kernel, on
     a CPU the rows at their exact count (`row_attention`, eager passes) or, `static`, gathered to the
     fixed length of the cache (`static_row_attention`: no host reads, so compiled graphs carry it).
-    `invariant_rows`: a linear whose oneDNN prepacked kernel gives, on this machine, every row of a call of
-    up to this many rows a one-row call's bits (probed by the kernel tuner, `KernelPlan.invariant`) runs in
-    whole calls of up to that many rows instead of padded blocks (0: blocks everywhere)."""
+    `invariant_rows`: a CPU linear whose kernel gives, on this machine, every row of a call of up to this
+    many rows a one-row call's bits (probed by `tuner`, a `glance_rt.models.kernels.KernelTuner`, and cached
+    per machine: `glance_rt.models.target.invariant_kernel`) runs in whole calls of up to that many rows
+    instead of padded blocks (0, or no tuner: blocks everywhere)."""
 
     rows: int = EXACT_ROWS
     static: bool = False
     invariant_rows: int = INVARIANT_ROWS
+    tuner: object = None  # a KernelTuner (its probe), or None
 
     @property
     def attention(self):

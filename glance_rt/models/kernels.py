@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glance_rt.errors import GlanceWarning
@@ -179,20 +180,21 @@ def linear_invariance(linear, x: Tensor, w: Tensor, rows=(2, 3, 8, 9, 16, 17, 33
     return out
 
 
-def onednn_invariance(out_features: int, in_features: int, layout_rows: int, rows: int, dtype: torch.dtype,
-                      bias: bool) -> dict:
-    """{"differs_at": T}: the least row count T <= `rows` at which a call of oneDNN's prepacked kernel (laid
-    out for `layout_rows` rows) gives some row other bits than a one-row call gives it, on this machine, for
-    a random weight [out, in] (and bias) of `dtype`; 0 where none does (`linear_invariance`): the kernel's
-    order of summation per output element is then the same whatever a call's rows, and exact numerics run
-    whole calls of up to `rows` rows instead of padded blocks. Random data suffice: the order does not
-    depend on the data, and a different order shows in some of a row's elements."""
+def row_invariance(kernel: str, out_features: int, in_features: int, layout_rows: int, rows: int,
+                   dtype: torch.dtype, bias: bool) -> dict:
+    """{"differs_at": T}: the least row count T <= `rows` at which a call of `kernel` ("onednn": oneDNN's
+    prepacked kernel laid out for `layout_rows` rows; "mkl": torch's own linear) gives some row other bits
+    than a one-row call gives it, on this machine, for a random weight [out, in] (and bias) of `dtype`; 0
+    where none does (`linear_invariance`): the kernel's order of summation per output element is then the
+    same whatever a call's rows, and exact numerics run whole calls of up to `rows` rows instead of padded
+    blocks. Random data suffice: the order does not depend on the data, and a different order shows in
+    some of a row's elements."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(out_features, in_features, generator=g, dtype=torch.float32).to(dtype)
     b = torch.randn(out_features, generator=g, dtype=torch.float32).to(dtype) if bias else None
     x = torch.randn(rows, in_features, generator=g, dtype=torch.float32).to(dtype)
-    packed = PackedLinear(w, b, layout_rows)
-    return {"differs_at": first_difference(lambda x, _w: packed(x), x, w)}
+    run = PackedLinear(w, b, layout_rows) if kernel == "onednn" else (lambda x: F.linear(x, w, b))
+    return {"differs_at": first_difference(lambda x, _w: run(x), x, w)}
 
 
 def first_difference(linear, x: Tensor, w: Tensor) -> int:
@@ -214,16 +216,16 @@ class KernelTuner:
     cached in `cache` (None: `default_cache_path()`; False: no file) under the key of `machine()`, so
     a change of CPU, threads or library version re-times. `margin`: a kernel other than torch's own
     ("mkl") is chosen only when it is at least this fraction faster; `pass_margin`: a pass keeps its
-    chosen kernels only when it is at least this fraction faster than the plain pass. `prober(out, in,
-    layout rows, rows, dtype, bias)` -> {"differs_at": M}: whether oneDNN's prepacked kernel is row-invariant
-    on this machine (`onednn_invariance`; exact numerics, `KernelPlan.invariant`), cached likewise."""
+    chosen kernels only when it is at least this fraction faster than the plain pass. `prober(kernel, out,
+    in, layout rows, rows, dtype, bias)` -> {"differs_at": M}: whether a kernel is row-invariant on this
+    machine (`row_invariance`; exact numerics, `glance_rt.models.target.invariant_kernel`), cached likewise."""
 
     timer: Callable = time_linear
     cache: Path | bool | None = None
     margin: float = 0.03
     pass_timer: Callable = time_pass
     pass_margin: float = 0.01
-    prober: Callable = onednn_invariance
+    prober: Callable = row_invariance
     _memo: dict = field(default_factory=dict, compare=False, repr=False)  # {section: {entry key: timing}}
 
     def _path(self) -> Path | None:
@@ -256,10 +258,12 @@ class KernelTuner:
         return self._cached("passes", {key: lambda: self.pass_timer(key, runs)}, lambda t: _valid(t, PASS_WAYS))[key]
 
     def invariance(self, request: tuple) -> bool:
-        """Whether oneDNN's prepacked kernel gives every row of a call of up to `rows` rows a one-row call's
-        bits, for `request` = (out, in, layout rows, rows, dtype, bias), probed once per machine."""
-        out_f, in_f, layout, rows, dtype, bias = request
-        key = f"{_entry(out_f, in_f, rows, dtype)}/layout{layout}{'+bias' if bias else ''}"
+        """Whether a kernel gives every row of a call of up to `rows` rows a one-row call's bits, for
+        `request` = (kernel, out, in, layout rows, rows, dtype, bias) (`row_invariance`), probed once per
+        machine."""
+        kernel, out_f, in_f, layout, rows, dtype, bias = request
+        how = f"layout{layout}" if kernel == "onednn" else kernel
+        key = f"{_entry(out_f, in_f, rows, dtype)}/{how}{'+bias' if bias else ''}"
         got = self._cached("invariance", {key: lambda: self.prober(*request)},
                            lambda t: isinstance(t, dict) and isinstance(t.get("differs_at"), int))
         return got[key]["differs_at"] == 0
@@ -377,16 +381,6 @@ class KernelPlan:
         if key not in self.layouts:
             self.layouts[key] = (module.weight, kernel_module(kernel, module, self.layout_rows))
         return self.layouts[key][1]
-
-    def invariant(self, module: nn.Module, rows: int) -> bool:
-        """Whether oneDNN's kernel, laid out for this plan's rows, runs `module` (a packable nn.Linear) with
-        every row of a call of up to `rows` rows getting the bits of a one-row call, on this machine (probed
-        by the tuner and cached; no tuner: not probed, False)."""
-        if self.tuner is None or not (isinstance(module, nn.Linear) and can_pack(module.weight)):
-            return False
-        out_f, in_f = module.weight.shape
-        return self.tuner.invariance((out_f, in_f, self.layout_rows, rows, module.weight.dtype,
-                                      module.bias is not None))
 
 
 def with_plan(plan: KernelPlan | None, module: nn.Module, rows: int) -> nn.Module:

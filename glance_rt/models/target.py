@@ -22,6 +22,7 @@ from glance_rt.models.exact import ExactNumerics, RowBlockLinear
 from glance_rt.models.fused import FusedLinear, fusable
 from glance_rt.models.kernels import KernelPlan, class_index, with_plan
 from glance_rt.models.kv_cache import KVCache
+from glance_rt.models.linear import can_pack
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -36,14 +37,37 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def linear_for(plan: KernelPlan | None, module: nn.Module, rows: int, exact: ExactNumerics | None) -> nn.Module:
     """The module a linear layer runs as: the plan's kernel at `rows` rows (`with_plan`); with `exact`
-    numerics, that kernel at `exact.rows` rows, always called with exactly that many, or, where oneDNN's
-    prepacked kernel proved row-invariant on this machine for calls of up to `exact.invariant_rows` rows
-    (`KernelPlan.invariant`), that kernel in calls of up to that many rows, unpadded."""
+    numerics, that kernel at `exact.rows` rows, always called with exactly that many, or, where a kernel
+    proved row-invariant on this machine for calls of up to `exact.invariant_rows` rows
+    (`invariant_kernel`), that kernel in calls of up to that many rows, unpadded."""
     if exact is not None:
-        if exact.invariant_rows and plan is not None and plan.invariant(module, exact.invariant_rows):
-            return RowBlockLinear(plan.kernel(module, "onednn"), exact.invariant_rows, pad=False)
+        whole = invariant_kernel(plan, module, exact)
+        if whole is not None:
+            return RowBlockLinear(whole, exact.invariant_rows, pad=False)
         return RowBlockLinear(with_plan(plan, module, exact.rows), exact.rows)
     return with_plan(plan, module, rows)
+
+
+def invariant_kernel(plan: KernelPlan | None, module: nn.Module, exact: ExactNumerics) -> nn.Module | None:
+    """The module that runs the CPU linear `module` in exact numerics' whole calls, where `exact.tuner`'s
+    probe (once per machine and weight shape) proves its kernel gives every row of a call of up to
+    `exact.invariant_rows` rows a one-row call's bits: oneDNN's prepacked kernel laid out for the plan's
+    rows (weights the plan packs: fp32), else torch's own linear in eager passes (bf16, fp16: a compiled
+    graph may lower a plain linear otherwise at other row counts, so compiled passes keep the blocks).
+    None: padded blocks (no tuner, not proved, CUDA: the Triton matmul)."""
+    if not (exact.tuner is not None and exact.invariant_rows and isinstance(module, nn.Linear)
+            and module.weight.device.type == "cpu"):
+        return None
+    packs = plan is not None and can_pack(module.weight)
+    if not packs and exact.static:
+        return None
+    kernel = "onednn" if packs else "mkl"
+    out_f, in_f = module.weight.shape
+    request = (kernel, out_f, in_f, plan.layout_rows if packs else 0, exact.invariant_rows, module.weight.dtype,
+               module.bias is not None)
+    if not exact.tuner.invariance(request):
+        return None
+    return plan.kernel(module, "onednn") if packs else module
 
 
 @dataclass(frozen=True)

@@ -229,7 +229,10 @@ class Decoder:
                               "GLANCE drafter's tree (not a chain, autoregression or an EAGLE-3 head's own tree); "
                               "use lookup=0 there")
         self.lookup = lookup
-        kernels = self._kernels(prepack, self.backend.prepack and can_pack(target.parts.lm_head.weight))
+        # one tuner times the kernels and probes exact numerics' row invariance (bf16, fp16 weights too, which
+        # are not prepacked); prepack=True or False: none (exact numerics then keep padded blocks)
+        tuner = prepack if isinstance(prepack, KernelTuner) else KernelTuner() if prepack == "auto" else None
+        kernels = self._kernels(prepack, self.backend.prepack and can_pack(target.parts.lm_head.weight), tuner)
         self.prepack = kernels is not None  # the kernels are chosen per layer (False: the plain weights)
         self.plain = prepack is False  # asked for the plain weights (`@plain`), not just left with them
         self.target, self.chain, self.max_length = target, chain, max_length
@@ -244,7 +247,7 @@ class Decoder:
         self.lookup_budget = self._lookup_budget(lookup_budget)
         self.pending_rows = max_depth(block) + 1  # drafter-context rows a skipped draft may leave pending
         verify_rows = tuple(b + 1 for b in self.budgets)
-        exact = ExactNumerics(static=self.backend.name != "eager") if numerics == "exact" else None
+        exact = ExactNumerics(static=self.backend.name != "eager", tuner=tuner) if numerics == "exact" else None
         self.verifier, self.drafter = round_modules(target, drafter, max_length, verify_rows, kernels,
                                                     self.backend.fuse, exact, max_batch)
         self.grows_tree = isinstance(self.drafter, Eagle3Pass)  # its own tree (EAGLE-3), else build_tree's
@@ -306,8 +309,9 @@ class Decoder:
                    max_batch=max_batch or 1, prefill_chunk=prefill_chunk)
 
     @staticmethod
-    def _kernels(prepack, packable: bool):
-        """`round_modules`' kernels argument for a `prepack` setting (None: the plain weights)."""
+    def _kernels(prepack, packable: bool, tuner):
+        """`round_modules`' kernels argument for a `prepack` setting (None: the plain weights; `tuner`: the
+        one "auto" or a given tuner means)."""
         if prepack is False:
             return None
         if prepack is True:
@@ -316,7 +320,7 @@ class Decoder:
                                   "compile backend; use prepack='auto' to choose kernels wherever that applies")
             return True
         if prepack == "auto" or isinstance(prepack, KernelTuner):
-            return (KernelTuner() if prepack == "auto" else prepack) if packable else None
+            return tuner if packable else None
         raise GlanceError(f"prepack={prepack!r}: use 'auto' (measure the kernels), True (oneDNN) or False (plain)")
 
     @property
