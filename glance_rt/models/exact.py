@@ -13,11 +13,12 @@ keeps the fast kernels) runs:
   in one order whatever the row's neighbours and its place in the block, so a row gets the same bits
   in a one-row step and in any verify pass (checked across the tiny architectures and dtypes, and a
   planted variant whose reduction depends on the row count is caught: tests/test_exact.py). On a CPU
-  whose oneDNN prepacked fp32 kernel proves row-invariant (every row of a call of 1 to
-  `INVARIANT_ROWS` rows gets a one-row call's bits; probed per weight shape by the kernel tuner and
-  cached per machine, `glance_rt.models.kernels.onednn_invariance`), that kernel in whole calls of up to
-  that many rows instead: no padding, each weight read once per call (on a 2-core AMD EPYC, MKL's
-  GEMM is not row-invariant and oneDNN's, laid out for 8 rows, is). On CUDA,
+  where the linear's kernel proves row-invariant (every row of a call of 1 to `INVARIANT_ROWS` rows
+  gets a one-row call's bits; probed per weight shape by the kernel tuner and cached per machine,
+  `glance_rt.models.kernels.row_invariance`): oneDNN's prepacked kernel for fp32 weights, torch's own
+  linear for bf16/fp16 ones in eager passes, that kernel in whole calls of up to that many rows
+  instead: no padding, each weight read once per call (on a 2-core AMD EPYC, MKL's fp32 GEMM is not
+  row-invariant, while oneDNN's fp32 kernel laid out for 8 rows and torch's bf16/fp16 linear are). On CUDA,
   the Triton matmul of `glance_rt.plugins.matmul_triton` instead (fixed tiles, no split-K; through
   Triton's interpreter here, not yet run on a GPU);
 - attention one row at a time over the row's own visible cache rows in cache order: the committed
