@@ -171,7 +171,7 @@ def row_attention(q: Tensor, k: Tensor, v: Tensor, tree_mask: Tensor, prefix_len
     out, held = [None] * t, []  # held: the tree rows now behind the prefix in the scratch
     for i in sorted(range(t), key=paths.__getitem__):  # depth first
         path, same = paths[i], 0
-        while same < min(len(held), len(paths[i])) and held[same] == path[same]:
+        while same < min(len(held), len(path)) and held[same] == path[same]:
             same += 1
         for j in range(same, len(path)):
             ks[:, :, p + j], vs[:, :, p + j] = k[:, :, p + path[j]], v[:, :, p + path[j]]
