@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glance_rt.models.attention import per_sequence, visibility
+from glance_rt.models.kernels import KernelTuner
 
 EXACT_ROWS = 8  # rows of every GEMM of an exact decode pass
 INVARIANT_ROWS = 32  # the most rows of one call of a kernel proved row-invariant (checked for 1..this many)
@@ -60,14 +61,14 @@ class ExactNumerics:
     a CPU the rows at their exact count (`row_attention`, eager passes) or, `static`, gathered to the
     fixed length of the cache (`static_row_attention`: no host reads, so compiled graphs carry it).
     `invariant_rows`: a CPU linear whose kernel gives, on this machine, every row of a call of up to this
-    many rows a one-row call's bits (probed by `tuner`, a `glance_rt.models.kernels.KernelTuner`, and cached
+    many rows a one-row call's bits (probed by `tuner` and cached
     per machine: `glance_rt.models.target.invariant_kernel`) runs in whole calls of up to that many rows
     instead of padded blocks (0, or no tuner: blocks everywhere)."""
 
     rows: int = EXACT_ROWS
     static: bool = False
     invariant_rows: int = INVARIANT_ROWS
-    tuner: object = None  # a KernelTuner (its probe), or None
+    tuner: KernelTuner | None = None  # its probe (`KernelTuner.invariance`)
 
     @property
     def attention(self):
