@@ -86,6 +86,7 @@ SPLIT_ROWS = 256  # cache rows per split (a power of two >= 16): fixed boundarie
 # query rows per combine program: each row's fold is its own (no dot), so small tiles spread a verify
 # call's combine over more programs (the second H200 run: 28 programs folded 24 splits of T = 64 rows)
 COMBINE_BLOCK_M = 16
+TREE_BITS_ROWS = 64  # trees of at most this many rows test their mask as one int64 per query row (`_attend_rows`)
 M_START = tl.constexpr(-1.0e30)  # the running max before any visible row: finite, so an empty tile gives p = 0, not NaN
 
 
@@ -120,17 +121,27 @@ def check_split_rows(split_rows: int) -> int:
 
 @triton.jit
 def _attend_rows(q, k_ptr, v_ptr, mask_ptr, kv_base, prefix, T, t, r_ok, d, d_ok, lo, hi, m_i, l_i, acc,
-                 HEAD_DIM: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr, TREE_BITS: tl.constexpr):
     """Online softmax of query tile q [M, D] over cache rows [lo, hi) in BLOCK_N-row tiles from lo:
     updates and returns the running (m [M], l [M], acc [M, D]), all fp32. Whole tiles below the prefix
     (every query sees them) run without the tree mask and row bounds; the rest read the mask. Both loops
-    visit the same tiles in the same order, and a tile every row sees gives the same bits either way."""
+    visit the same tiles in the same order, and a tile every row sees gives the same bits either way.
+
+    TREE_BITS (T <= 64): each query row's tree-mask row is read once, before the loops, as the bits of one
+    int64, and a tile tests its columns' bits; else a tile gathers its [M, N] mask entries from memory.
+    The same visibility either way (the same bits out), but the gather's M x N pointers and bytes, held
+    by the pipeliner for the next tile, cost registers: at a 7B's shapes (bf16, sm_90, 4 warps) 168
+    against 96 a thread with 16 query rows, and 255 plus 404 bytes of spills against 212 with 64
+    (`scripts/kernel_resources.py`)."""
     full = lo + tl.maximum(tl.minimum(prefix, hi) - lo, 0) // BLOCK_N * BLOCK_N  # end of the whole prefix tiles
     for start in range(lo, full, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)  # [N] cache rows, all < prefix
         k, v = _kv_tile(k_ptr, v_ptr, kv_base, j, d, j < full, d_ok, HEAD_DIM, True)
         s = _scores(q, k, SCALE)  # [M, N] fp32
         m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc)
+    if TREE_BITS:
+        # [M] int64; read only where a tile reaches the tree
+        bits = _tree_bits(mask_ptr, T, tl.where(hi > prefix, T, 0), t, r_ok)
     for start in range(full, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)  # [N] cache rows
         j_ok = j < hi
@@ -138,10 +149,22 @@ def _attend_rows(q, k_ptr, v_ptr, mask_ptr, kv_base, prefix, T, t, r_ok, d, d_ok
         s = _scores(q, k, SCALE)
         i = j - prefix  # [N] tree column of a row the queries wrote
         in_tree = (i >= 0) & j_ok
-        tm = tl.load(mask_ptr + t[:, None] * T + i[None, :], mask=r_ok[:, None] & in_tree[None, :], other=0)
+        if TREE_BITS:
+            tm = (bits[:, None] >> (i & 63).to(tl.int64)[None, :]) & in_tree[None, :].to(tl.int64)  # [M, N] 0/1
+        else:
+            tm = tl.load(mask_ptr + t[:, None] * T + i[None, :], mask=r_ok[:, None] & in_tree[None, :], other=0)
         visible = (j < prefix)[None, :] | (tm != 0)  # [M, N]
         m_i, l_i, acc = _fold_tile(tl.where(visible, s, float("-inf")), v, m_i, l_i, acc)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _tree_bits(mask_ptr, T, cols, t, r_ok):
+    """Tree-mask rows t [M] (T <= 64 columns) as the bits of an int64 each: bit c = row t sees tree row c,
+    for c < cols (the rest 0, unread)."""
+    c = tl.arange(0, 64)  # [64] tree columns
+    seen = tl.load(mask_ptr + t[:, None] * T + c[None, :], mask=r_ok[:, None] & (c < cols)[None, :], other=0)  # [M, 64]
+    return tl.sum(seen.to(tl.int64) << c.to(tl.int64)[None, :], 1)  # bits are disjoint: the sum is their OR
 
 
 @triton.jit
@@ -249,14 +272,15 @@ def _sequence(seq, mask_ptr, prefix_ptr, T, KV_ROWS, KV_BATCH, HEAD_DIM: tl.cons
 @triton.jit
 def tree_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_ROWS, KV_BATCH, out_ptr,
                           GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, SCALE: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          TREE_BITS: tl.constexpr = False):
     seq = tl.program_id(2)
     r, t, d, r_ok, d_ok, q_off = _query_tile(seq, T, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D)
     q = tl.load(q_ptr + q_off, mask=r_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
     mask_ptr, prefix, kv_base = _sequence(seq, mask_ptr, prefix_ptr, T, KV_ROWS, KV_BATCH, HEAD_DIM)
     m_i, l_i, acc = _empty_state(BLOCK_M, BLOCK_D)
     m_i, l_i, acc = _attend_rows(q, k_ptr, v_ptr, mask_ptr, kv_base, prefix, T, t, r_ok, d, d_ok, 0, prefix + T,
-                                 m_i, l_i, acc, HEAD_DIM, SCALE, BLOCK_N)  # rows past the queries' never read
+                                 m_i, l_i, acc, HEAD_DIM, SCALE, BLOCK_N, TREE_BITS)  # rows past prefix + T: unread
     _store_out(out_ptr, q_off, acc, l_i, r_ok[:, None] & d_ok[None, :])
 
 
@@ -264,7 +288,7 @@ def tree_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_ROWS,
 def tree_attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_ROWS, KV_BATCH, SPLITS,
                                 acc_ptr, ml_ptr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                 SCALE: tl.constexpr, SPLIT_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TREE_BITS: tl.constexpr = False):
     """One split's partial state (program_id(2) = sequence * SPLITS + split) for one query tile of one KV
     head, into scratch laid out as acc [B, KVH, SPLITS, G*T, D] and ml [B, KVH, SPLITS, G*T, 2] (fp32)."""
     seq, split = tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS
@@ -276,7 +300,7 @@ def tree_attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV
         m_i, l_i, acc = _empty_state(BLOCK_M, BLOCK_D)
         hi = tl.minimum(lo + SPLIT_ROWS, prefix + T)
         m_i, l_i, acc = _attend_rows(q, k_ptr, v_ptr, mask_ptr, kv_base, prefix, T, t, r_ok, d, d_ok, lo, hi,
-                                     m_i, l_i, acc, HEAD_DIM, SCALE, BLOCK_N)
+                                     m_i, l_i, acc, HEAD_DIM, SCALE, BLOCK_N, TREE_BITS)
         head = seq * tl.num_programs(1) + tl.program_id(1)  # the (sequence, KV head) pair
         part = (head.to(tl.int64) * SPLITS + split) * (GROUPS * T) + r  # [M] rows of the scratch
         _store_partial(acc_ptr, ml_ptr, part, d, r_ok, d_ok, m_i, l_i, acc, HEAD_DIM)
@@ -393,12 +417,13 @@ def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int
     if exact:
         return _path_attention(q, k, v, mask, prefix, t, strides, out, splits, split_rows, float(scale),
                                blocks(d, dtype, split_rows) | tune, common)
+    bits = dict(TREE_BITS=t <= TREE_BITS_ROWS)
     if splits == 1:
-        tiles = blocks(d, dtype) | tune
+        tiles = blocks(d, dtype) | bits | tune
         tree_attention_kernel[grid(groups * t, kv_heads, tiles["BLOCK_M"], seqs)](
             q, k, v, mask, prefix, t, *strides, out, SCALE=float(scale), **tiles, **common)
         return out
-    tiles = blocks(d, dtype, split_rows) | tune
+    tiles = blocks(d, dtype, split_rows) | bits | tune
     tiles["BLOCK_M"] = block_m or split_block_m(groups * t)
     acc, ml = _scratch(q, kv_heads, splits)
     tree_attention_split_kernel[grid(groups * t, kv_heads, tiles["BLOCK_M"], seqs * splits)](
@@ -452,27 +477,34 @@ def compile_aot(dtype: str, head_dim: int, groups: int, scale: float, arch: int 
     ty = DTYPES[dtype]
     signature = {"q_ptr": f"*{ty}", "k_ptr": f"*{ty}", "v_ptr": f"*{ty}", "mask_ptr": "*i1", "prefix_ptr": "*i64",
                  "T": "i32", "KV_ROWS": "i32", "KV_BATCH": "i32", "out_ptr": f"*{ty}"}
-    constexprs = dict(GROUPS=groups, HEAD_DIM=head_dim, SCALE=float(scale), **blocks(head_dim, dtype))
+    constexprs = dict(GROUPS=groups, HEAD_DIM=head_dim, SCALE=float(scale), **blocks(head_dim, dtype),
+                      TREE_BITS=False)  # the plugin's T is any: the mask is gathered
     return _compile(tree_attention_kernel, signature, constexprs, arch, stages(head_dim, dtype))
 
 
 def compile_split_aot(dtype: str, head_dim: int, groups: int, scale: float, arch: int = 90,
-                      split_rows: int = SPLIT_ROWS, block_m: int = 16) -> tuple:
+                      split_rows: int = SPLIT_ROWS, block_m: int = 16, tree_bits: bool = True,
+                      tune: dict | None = None, aligned: bool = False) -> tuple:
     """The split-KV pair (split kernel, combine kernel) compiled ahead of time as `compile_aot` does:
-    proof with no GPU that both lower to PTX and assemble for `arch`."""
+    proof with no GPU that both lower to PTX and assemble for `arch`. `tune`: BLOCK_N, num_warps,
+    num_stages as `tree_attention` takes them. `aligned`: pointers 16-byte aligned, as Triton's JIT
+    specialises a launch on torch tensors (vectorised loads), so the registers and spills `ptxas` reports
+    for it are the op's on a GPU (`scripts/kernel_resources.py`)."""
     ty = DTYPES[dtype]
-    tiles = {**blocks(head_dim, dtype, check_split_rows(split_rows)), "BLOCK_M": block_m}
+    tune = dict(tune or {})
+    warps, n_stages = tune.pop("num_warps", NUM_WARPS), tune.pop("num_stages", stages(head_dim, dtype))
+    tiles = {**blocks(head_dim, dtype, check_split_rows(split_rows)), "BLOCK_M": block_m, **tune}
     split = _compile(tree_attention_split_kernel,
                      {"q_ptr": f"*{ty}", "k_ptr": f"*{ty}", "v_ptr": f"*{ty}", "mask_ptr": "*i1",
                       "prefix_ptr": "*i64", "T": "i32", "KV_ROWS": "i32", "KV_BATCH": "i32", "SPLITS": "i32",
                       "acc_ptr": "*fp32", "ml_ptr": "*fp32"},
-                     dict(GROUPS=groups, HEAD_DIM=head_dim, SCALE=float(scale), SPLIT_ROWS=split_rows, **tiles),
-                     arch, stages(head_dim, dtype))
+                     dict(GROUPS=groups, HEAD_DIM=head_dim, SCALE=float(scale), SPLIT_ROWS=split_rows,
+                          TREE_BITS=tree_bits, **tiles), arch, n_stages, warps, aligned)
     combine = _compile(tree_attention_combine_kernel,
                        {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "prefix_ptr": "*i64", "T": "i32", "SPLITS": "i32",
                         "out_ptr": f"*{ty}"},
                        dict(GROUPS=groups, HEAD_DIM=head_dim, SPLIT_ROWS=split_rows, BLOCK_M=block_m,
-                            BLOCK_D=tiles["BLOCK_D"]), arch, 1)
+                            BLOCK_D=tiles["BLOCK_D"]), arch, 1, NUM_WARPS, aligned)
     return split, combine
 
 
@@ -489,13 +521,17 @@ def compile_path_aot(dtype: str, head_dim: int, groups: int, scale: float, arch:
     return _compile(tree_attention_path_kernel, signature, constexprs, arch, stages(head_dim, dtype))
 
 
-def _compile(fn, signature: dict, constexprs: dict, arch: int, num_stages: int):
+def _compile(fn, signature: dict, constexprs: dict, arch: int, num_stages: int, num_warps: int = NUM_WARPS,
+             aligned: bool = False):
+    """`aligned`: every pointer argument 16-byte aligned (Triton's `tt.divisibility` hint, what its JIT
+    assumes of a torch tensor's data pointer); off for the plugin, whose pointers TensorRT hands over."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(signature.values()) if ty.startswith("*")}
     signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    options = {"num_warps": NUM_WARPS, "num_stages": num_stages, "ptx_version": PTX_VERSION,
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs if aligned else None)
+    options = {"num_warps": num_warps, "num_stages": num_stages, "ptx_version": PTX_VERSION,
                "enable_fp_fusion": True}
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
@@ -528,6 +564,27 @@ def check_abi(ptx: str, name: str, shared: int, scratch: dict) -> list[str]:
     if shared > 48 * 1024:
         raise ValueError(f"{shared} bytes of shared memory: more than a launch gets without opt-in")
     return types
+
+
+def ptxas_resources(ptx: str) -> dict:
+    """What the GPU assembler gives a compiled kernel per thread: registers, spill bytes (stores, loads),
+    from `ptxas -v` on its PTX for the PTX's own target (Triton's bundled ptxas, no GPU). A kernel that
+    spills, or whose registers leave one program per SM, runs far below what its shape allows."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    target = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        run = subprocess.run([get_ptxas(int(re.sub(r"\D", "", target))).path, "-v", f"-arch={target}", f.name,
+                              "-o", "/dev/null"], capture_output=True, text=True, check=True)
+    number = lambda pattern: int(re.search(pattern, run.stderr).group(1))  # noqa: E731
+    return {"target": target, "registers": number(r"Used (\d+) registers"),
+            "spill_stores": number(r"(\d+) bytes spill stores"), "spill_loads": number(r"(\d+) bytes spill loads")}
 
 
 def describe(kernel) -> dict:

@@ -474,6 +474,10 @@ def kernel_timings(run: Run) -> dict:
             for rows in (64, 128, 256, 512, 1024):
                 fig[f"split{rows}_{key}_us"] = graph_time_us(lambda a=args, r=rows: triton_kernel.tree_attention(*a, r))
             fig[f"kernel_{key}_us"] = fig[f"split{triton_kernel.SPLIT_ROWS}_{key}_us"]  # the op's default
+            # the default launch with the tree mask gathered tile by tile (before 2026-12-06: 255 registers
+            # and spills at T = 64; scripts/kernel_resources.py) against the op's int64 bits per query row
+            fig[f"mask_gathered_{key}_us"] = graph_time_us(
+                lambda a=args: triton_kernel.tree_attention(*a, tune={"TREE_BITS": False}))
             fig[f"reference_{key}_us"] = graph_time_us(lambda a=args: tree_attention_reference(*a))
             # exact numerics (issue 39): the path kernel, and the gathered copies + SDPA it replaced
             fig[f"exact_{key}_us"] = graph_time_us(lambda a=args: triton_kernel.tree_attention(*a, exact=True))

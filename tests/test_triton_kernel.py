@@ -84,6 +84,8 @@ def test_kernel_sees_prefix_by_length_not_by_mask():
     (12, 2, 17, 70, 32, 32),  # a tree wider than a split; G*T = 102 rows in 64-row tiles
     (6, 1, 24, 201, 24, 64),  # MQA, 4 splits of 64, each one tile
     (4, 2, 40, 32, 16, 16),  # tree rows only from row 32: an early node sees nothing in splits [48, 72)
+    (4, 2, 64, 37, 16, 32),  # the widest tree whose mask rows are read as int64 bits (bit 63 is the sign)
+    (2, 1, 70, 45, 16, 64),  # wider: the mask gathered tile by tile
 ])
 def test_split_kernel_matches_reference(dtype, heads, kv_heads, t, prefix, d, split_rows):
     """Split-KV: many splits, a split of tree rows only, GQA/MQA, padded head dims; the cache holds
@@ -95,6 +97,19 @@ def test_split_kernel_matches_reference(dtype, heads, kv_heads, t, prefix, d, sp
     assert not got.isnan().any()
     torch.testing.assert_close(got.float().cpu(), expected(q, k, v, mask, prefix, scale), atol=TOL[dtype],
                                rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("t", [1, 9, 64])
+@pytest.mark.parametrize("split_rows", [None, 32])
+def test_tree_bits_give_the_gathered_masks_bits(t, split_rows):
+    """Trees of <= 64 rows test their mask as one int64 per query row; the gather every wider tree uses
+    gives the same visibility, so the same bits, direct and split, across tiles cut mid-tree."""
+    q, k, v, mask = case(4, 2, t, 50, 16, torch.bfloat16, seed=t, cache_rows=50 + t + 64)
+    p = torch.tensor(50, device=q.device)
+    bits = triton_kernel.tree_attention(q, k, v, mask, p, 0.25, split_rows)
+    gathered = triton_kernel.tree_attention(q, k, v, mask, p, 0.25, split_rows, tune={"TREE_BITS": False})
+    assert torch.equal(bits, gathered)
+    torch.testing.assert_close(bits.float().cpu(), expected(q, k, v, mask, 50, 0.25), atol=2e-2, rtol=2e-2)
 
 
 def test_split_kernel_default_splits_a_long_cache():
@@ -322,6 +337,25 @@ def test_split_kernels_compile_ahead_of_time():
     got = run_without_interpreter(code)
     assert [name for name, _, _ in got] == ["tree_attention_split_kernel", "tree_attention_combine_kernel"] * 2
     assert all(cubin > 0 and target for _, cubin, target in got)
+
+
+def test_the_ops_split_launches_do_not_spill_registers():
+    """At a 7B's attention shapes (bf16, sm_90, pointers aligned as the JIT assumes), the op's default split
+    launch for an AR step (16 query rows a program) and a 64-row verify (64) spills no register, and the
+    tree mask read as bits needs fewer registers than the gathered one (the gather spilled at 64 rows:
+    scripts/kernel_resources.py). ptxas, not a timing: a spilling kernel is slow on every GPU."""
+    code = ("import json\nfrom glance_rt.plugins import tree_attention_triton as m\nout = {}\n"
+            "for t in (1, 64):\n"
+            "    for bits in (True, False):\n"
+            "        k, _ = m.compile_split_aot('bfloat16', 128, 7, 128 ** -0.5, 90, m.SPLIT_ROWS,\n"
+            "                                   m.split_block_m(7 * t), bits, aligned=True)\n"
+            "        out[f'{t}-{bits}'] = m.ptxas_resources(k.asm['ptx'])\n"
+            "print(json.dumps(out))")
+    got = run_without_interpreter(code)
+    for t in (1, 64):
+        bits, gathered = got[f"{t}-True"], got[f"{t}-False"]
+        assert bits["spill_stores"] == bits["spill_loads"] == 0, (t, bits)
+        assert bits["registers"] < gathered["registers"], (t, bits, gathered)
 
 
 # ----------------------------------------------------------------------------- exact numerics: the path kernel
