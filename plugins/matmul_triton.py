@@ -19,9 +19,16 @@ import torch
 import triton
 import triton.language as tl
 
-# (BLOCK_M, BLOCK_N, BLOCK_K) per dtype: part of the reduction order, so fixed, never tuned per call
-BLOCKS = {torch.float32: (16, 64, 32), torch.float16: (16, 64, 64), torch.bfloat16: (16, 64, 64)}
-NUM_WARPS, NUM_STAGES = 4, 2
+# Launch settings per dtype. The tiles are part of the reduction order, so they are fixed, never chosen
+# per call. Narrow column tiles and long K tiles give a one-row call enough programs to read the weights
+# at the GPU's bandwidth: a [2048, 11008] down projection runs 128 programs (64-column tiles: 32, a
+# quarter of an H200's SMs, each walking all of K with 8 KiB in flight), each keeping 3 K tiles of its
+# 16 weight rows in flight. sm_90, bf16 (`ptxas`, as the JIT compiles a launch on torch tensors): 48
+# registers, 48 KiB of shared memory, no spills. At 64 rows the 4 row tiles of a column tile run side
+# by side and share its weights through L2.
+CONFIGS = {torch.float32: dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=4, num_stages=4),
+           torch.float16: dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4),
+           torch.bfloat16: dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4)}
 
 
 @triton.jit
@@ -43,29 +50,38 @@ def invariant_matmul_kernel(x, w, bias, out, M, N, K, HAS_BIAS: tl.constexpr, PR
     tl.store(out + rm[:, None] * N + rn[None, :], acc.to(out.dtype.element_ty), mask=inside)
 
 
+def grid(rows: int, out_features: int, config: dict) -> tuple:
+    """Programs of a call: (row tiles, column tiles); row tiles vary fastest, so those of one column tile
+    run side by side and read its weights once from memory, then from L2."""
+    return triton.cdiv(rows, config["BLOCK_M"]), triton.cdiv(out_features, config["BLOCK_N"])
+
+
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     kernel=invariant_matmul_kernel) -> torch.Tensor:
+                     kernel=invariant_matmul_kernel, config: dict | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T (+ bias [N]) -> [..., N], row-invariant (`kernel`: the Triton kernel
-    launched, the same signature; a test plants another)."""
+    launched, the same signature; a test plants another). `config`: launch settings instead of the
+    dtype's `CONFIGS` (the GPU check's sweep; every call of one decoder must use the same)."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k).contiguous()  # [M, K]
     m, n = rows.shape[0], weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm, bn, bk = BLOCKS[x.dtype]
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    kernel[grid](rows, weight.contiguous(), bias if bias is not None else rows, out, m, n, k,
-                 HAS_BIAS=bias is not None, PRECISION="ieee",
-                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    cfg = config or CONFIGS[x.dtype]
+    kernel[grid(m, n, cfg)](rows, weight.contiguous(), bias if bias is not None else rows, out, m, n, k,
+                 HAS_BIAS=bias is not None, PRECISION="ieee", **cfg)
     return out.reshape(*lead, n)
 
 
-def compile_aot(dtype: torch.dtype, has_bias: bool = True, arch: int = 90):
+def compile_aot(dtype: torch.dtype, has_bias: bool = True, arch: int = 90, config: dict | None = None,
+                aligned: bool = False):
     """The kernel compiled ahead of time for GPUs of compute capability `arch` (80: A100, 90: H100/H200),
-    with no GPU (as `tree_attention_triton.compile_aot`): proof that it lowers to PTX and assembles."""
+    with no GPU (as `tree_attention_triton.compile_aot`): proof that it lowers to PTX and assembles.
+    `aligned`: as Triton's JIT specialises a launch on torch tensors with N and K multiples of 16 (what
+    `ptxas_resources` should read)."""
     from glance_rt.plugins.tree_attention_triton import DTYPES, _compile
 
     ty = DTYPES[str(dtype).removeprefix("torch.")]
-    bm, bn, bk = BLOCKS[dtype]
+    cfg = dict(config or CONFIGS[dtype])
+    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
     signature = {"x": f"*{ty}", "w": f"*{ty}", "bias": f"*{ty}", "out": f"*{ty}", "M": "i32", "N": "i32", "K": "i32"}
-    constexprs = {"HAS_BIAS": has_bias, "PRECISION": "ieee", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
-    return _compile(invariant_matmul_kernel, signature, constexprs, arch, NUM_STAGES)
+    constexprs = {"HAS_BIAS": has_bias, "PRECISION": "ieee", **cfg}
+    return _compile(invariant_matmul_kernel, signature, constexprs, arch, stages, warps, aligned, ("N", "K"))

@@ -487,9 +487,10 @@ def compile_split_aot(dtype: str, head_dim: int, groups: int, scale: float, arch
                       tune: dict | None = None, aligned: bool = False) -> tuple:
     """The split-KV pair (split kernel, combine kernel) compiled ahead of time as `compile_aot` does:
     proof with no GPU that both lower to PTX and assemble for `arch`. `tune`: BLOCK_N, num_warps,
-    num_stages as `tree_attention` takes them. `aligned`: pointers 16-byte aligned, as Triton's JIT
-    specialises a launch on torch tensors (vectorised loads), so the registers and spills `ptxas` reports
-    for it are the op's on a GPU (`scripts/kernel_resources.py`)."""
+    num_stages as `tree_attention` takes them. `aligned`: pointers 16-byte aligned and the cache's row
+    strides multiples of 16, as Triton's JIT specialises a launch on torch tensors and a cache of a
+    multiple of 16 rows (vectorised loads), so the registers and spills `ptxas` reports for it are the
+    op's on a GPU (`scripts/kernel_resources.py`)."""
     ty = DTYPES[dtype]
     tune = dict(tune or {})
     warps, n_stages = tune.pop("num_warps", NUM_WARPS), tune.pop("num_stages", stages(head_dim, dtype))
@@ -499,7 +500,7 @@ def compile_split_aot(dtype: str, head_dim: int, groups: int, scale: float, arch
                       "prefix_ptr": "*i64", "T": "i32", "KV_ROWS": "i32", "KV_BATCH": "i32", "SPLITS": "i32",
                       "acc_ptr": "*fp32", "ml_ptr": "*fp32"},
                      dict(GROUPS=groups, HEAD_DIM=head_dim, SCALE=float(scale), SPLIT_ROWS=split_rows,
-                          TREE_BITS=tree_bits, **tiles), arch, n_stages, warps, aligned)
+                          TREE_BITS=tree_bits, **tiles), arch, n_stages, warps, aligned, ("KV_ROWS", "KV_BATCH"))
     combine = _compile(tree_attention_combine_kernel,
                        {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "prefix_ptr": "*i64", "T": "i32", "SPLITS": "i32",
                         "out_ptr": f"*{ty}"},
@@ -522,13 +523,16 @@ def compile_path_aot(dtype: str, head_dim: int, groups: int, scale: float, arch:
 
 
 def _compile(fn, signature: dict, constexprs: dict, arch: int, num_stages: int, num_warps: int = NUM_WARPS,
-             aligned: bool = False):
-    """`aligned`: every pointer argument 16-byte aligned (Triton's `tt.divisibility` hint, what its JIT
-    assumes of a torch tensor's data pointer); off for the plugin, whose pointers TensorRT hands over."""
+             aligned: bool = False, multiples: tuple = ()):
+    """`aligned`: every pointer argument 16-byte aligned, and the int arguments named in `multiples`
+    multiples of 16 (Triton's `tt.divisibility` hints: what its JIT specialises a launch on, for a torch
+    tensor's data pointer and such an int), so the code is what a GPU launch runs (vectorised, pipelined
+    loads); off for the plugin, whose pointers and shapes TensorRT hands over."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(signature.values()) if ty.startswith("*")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(signature.items())
+             if ty.startswith("*") or name in multiples}
     signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs if aligned else None)
     options = {"num_warps": num_warps, "num_stages": num_stages, "ptx_version": PTX_VERSION,

@@ -488,9 +488,50 @@ def kernel_timings(run: Run) -> dict:
             if key in SWEEP_SHAPES:
                 sweeps[key] = (args, t)
     fig.update(batched_timings(dev, triton_kernel))
+    fig["matmul"] = matmul_timings(run)
     for key, (args, t) in sweeps.items():  # last: a launch setting that broke the device would cost no figure
         fig[f"sweep_{key}"] = tune_sweep(run, args, t, triton_kernel)
     return fig
+
+
+# issue 39's row-invariant matmul at Qwen2.5-VL-3B's linears (out, in): q+k+v, o, gate+up, down
+MATMUL_SHAPES = {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (22016, 2048), "down": (2048, 11008)}
+# the default first; then the tiles before 2026-12-06 and alternatives: (BLOCK_M, _N, _K, warps, stages)
+MATMUL_CONFIGS = {
+    "default": None, "m16_n64_k64_w4_s2": (16, 64, 64, 4, 2), "m16_n32_k128_w4_s4": (16, 32, 128, 4, 4),
+    "m64_n16_k128_w4_s4": (64, 16, 128, 4, 4), "m16_n16_k256_w8_s3": (16, 16, 256, 8, 3)}
+
+
+def matmul_timings(run: Run) -> dict:
+    """Device us of exact numerics' row-invariant Triton matmul against torch's linear (cuBLAS) at the 3B's
+    linears, bf16, for a one-row call (the AR step) and 64 rows (a verify): every config of
+    `MATMUL_CONFIGS` (the tiles are the reduction order: a config is chosen once per dtype, never per call),
+    within --sweep-s seconds; the sum over a layer's four linears gives `layer_rows{M}`."""
+    from glance_rt.plugins import matmul_triton
+
+    out, stop = {}, time.perf_counter() + run.args.sweep_s
+    for rows in (1, 64):
+        for name, (n, k) in MATMUL_SHAPES.items():
+            x = torch.randn(rows, k, device=run.device, dtype=torch.bfloat16)
+            w = torch.randn(n, k, device=run.device, dtype=torch.bfloat16) * 0.02
+            figs = {"torch": graph_time_us(lambda x=x, w=w: torch.nn.functional.linear(x, w))}
+            for label, c in MATMUL_CONFIGS.items():
+                if time.perf_counter() > stop or run.left() < run.args.floor:
+                    figs[label] = "skipped: --sweep-s"
+                    continue
+                keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+                cfg = None if c is None else dict(zip(keys, c, strict=True))
+                try:
+                    figs[label] = round(graph_time_us(lambda x=x, w=w, cfg=cfg: matmul_triton.invariant_linear(
+                        x, w, None, config=cfg)), 1)
+                except Exception as e:  # out of shared memory: a result of the sweep, not a failure
+                    figs[label] = f"{type(e).__name__}: {str(e)[:120]}"
+            out[f"{name}_rows{rows}_us"] = {k: round(v, 1) if isinstance(v, float) else v for k, v in figs.items()}
+        shapes = [out[f"{name}_rows{rows}_us"] for name in MATMUL_SHAPES]
+        out[f"layer_rows{rows}_us"] = {label: round(sum(f[label] for f in shapes), 1) for label in shapes[0]
+                                       if all(isinstance(f[label], float) for f in shapes)}  # timed on all four
+        print(f"matmul rows={rows} (a layer's four linears, us):", out[f"layer_rows{rows}_us"], flush=True)
+    return out
 
 
 def batched_timings(dev, triton_kernel, slots: int = 8, rows: int = 2048) -> dict:
@@ -1032,6 +1073,11 @@ def summary(report: dict) -> None:
         if f"exact_{key}_us" in k:
             print(f"exact attention {key}: path kernel {k[f'exact_{key}_us']:.1f} us, gathered + SDPA "
                   f"{k[f'gathered_{key}_us']:.1f} us, fast kernel {k[f'kernel_{key}_us']:.1f} us")
+    for rows in (1, 64):
+        layer = k.get("matmul", {}).get(f"layer_rows{rows}_us")
+        if layer:
+            print(f"a layer's linears at {rows} row(s), us: torch {layer.get('torch')}, row-invariant Triton "
+                  f"{layer.get('default')} (all configs: {layer})")
     for t in (1, 16):
         if f"batch8_T{t}_P1024_us" in k:
             print(f"kernel, 8 sequences at T={t}: one batched call {k[f'batch8_T{t}_P1024_us']:.1f} us, a call each "

@@ -21,7 +21,7 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def case(dtype, n=80, k=72, rows=33, bias=True, seed=0):
+def case(dtype, n=88, k=72, rows=33, bias=True, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, k, generator=g).to(dtype).to(device())
     w = (torch.randn(n, k, generator=g) * 0.1).to(dtype).to(device())
@@ -32,11 +32,11 @@ def case(dtype, n=80, k=72, rows=33, bias=True, seed=0):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bias", [True, False])
 def test_it_is_the_linear_layer(dtype, bias):
-    """N and K not multiples of the tiles (80 x 72 against 64 x 32/64), a leading batch shape."""
+    """N and K not multiples of the tiles (88 x 72 against 16 x 128/256), a leading batch shape."""
     x, w, b = case(dtype, bias=bias)
     got = mm.invariant_linear(x.reshape(3, 11, -1), w, b)
     want = F.linear(x.float(), w.float(), None if b is None else b.float())
-    assert got.shape == (3, 11, 80) and got.dtype == dtype
+    assert got.shape == (3, 11, 88) and got.dtype == dtype
     torch.testing.assert_close(got.reshape(33, -1).float(), want, rtol=TOL[dtype], atol=TOL[dtype])
 
 
@@ -78,7 +78,7 @@ def test_a_planted_split_k_variant_is_caught(dtype):
     """Still the linear layer (to rounding), but no longer row-invariant: the check sees it. In fp32:
     the interpreter's fp16/bf16 `tl.dot` rounds each tile's product to 16 bits, whose fp32 sums are
     exact in any order, so a split cannot show there (on a GPU the MMA accumulates in fp32)."""
-    x, w, b = case(dtype, k=256)
+    x, w, b = case(dtype, k=512)  # 4 K tiles: halves of 2 sum in another order
     got = mm.invariant_linear(x, w, b, kernel=split_k_kernel)
     want = F.linear(x.float(), w.float(), b.float())
     torch.testing.assert_close(got.float(), want, rtol=0.01, atol=0.01 * float(want.abs().max()))
@@ -98,3 +98,22 @@ def test_aot_compile_for_sm80_and_sm90():
             "print(json.dumps(out))")
     out = run_without_interpreter(code)
     assert len(out) == 6 and all(target and cubin > 0 for target, cubin in out.values()), out
+
+
+def test_a_one_row_call_fills_a_gpu_and_spills_nothing():
+    """An AR step's linears are one-row calls: at the 3B's down projection ([2048, 11008]) the bf16 tiles
+    give 128 programs (the tiles before 2026-12-06: 32, a quarter of an H200's 132 SMs, each walking all
+    of K); compiled for sm_90 as the JIT compiles a launch on torch tensors, the default configs spill no
+    register and pipeline their loads (cp.async)."""
+    from tests.test_triton_kernel import run_without_interpreter
+
+    assert mm.grid(1, 2048, mm.CONFIGS[torch.bfloat16]) == (1, 128)
+    assert mm.grid(64, 2048, mm.CONFIGS[torch.bfloat16]) == (4, 128)
+    code = ("import json, torch\nfrom glance_rt.plugins import matmul_triton as m\n"
+            "from glance_rt.plugins.tree_attention_triton import ptxas_resources\nout = {}\n"
+            "for dt in (torch.float32, torch.bfloat16):\n"
+            "    k = m.compile_aot(dt, False, 90, aligned=True)\n"
+            "    out[str(dt)] = [ptxas_resources(k.asm['ptx']), 'cp.async' in k.asm['ptx']]\n"
+            "print(json.dumps(out))")
+    for dtype, (res, pipelined) in run_without_interpreter(code).items():
+        assert res["spill_stores"] == res["spill_loads"] == 0 and pipelined, (dtype, res)
