@@ -510,16 +510,18 @@ def compile_split_aot(dtype: str, head_dim: int, groups: int, scale: float, arch
 
 
 def compile_path_aot(dtype: str, head_dim: int, groups: int, scale: float, arch: int = 90,
-                     split_rows: int = SPLIT_ROWS, partial: bool = True, block_t: int = 16):
+                     split_rows: int = SPLIT_ROWS, partial: bool = True, block_t: int = 16, aligned: bool = False):
     """The path kernel (exact numerics) compiled ahead of time as `compile_aot` does: a split's partial
-    state (`partial`) or the direct form, for trees of up to `block_t` rows."""
+    state (`partial`) or the direct form, for trees of up to `block_t` rows (`aligned`: as
+    `compile_split_aot`)."""
     ty = DTYPES[dtype]
     signature = {"q_ptr": f"*{ty}", "k_ptr": f"*{ty}", "v_ptr": f"*{ty}", "mask_ptr": "*i1", "prefix_ptr": "*i64",
                  "T": "i32", "KV_ROWS": "i32", "KV_BATCH": "i32", "SPLITS": "i32", "out_ptr": f"*{ty}",
                  "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
     constexprs = dict(GROUPS=groups, HEAD_DIM=head_dim, SCALE=float(scale), SPLIT_ROWS=split_rows,
                       PARTIAL=partial, **blocks(head_dim, dtype, check_split_rows(split_rows)), BLOCK_T=block_t)
-    return _compile(tree_attention_path_kernel, signature, constexprs, arch, stages(head_dim, dtype))
+    return _compile(tree_attention_path_kernel, signature, constexprs, arch, stages(head_dim, dtype), NUM_WARPS,
+                    aligned, ("KV_ROWS", "KV_BATCH"))
 
 
 def _compile(fn, signature: dict, constexprs: dict, arch: int, num_stages: int, num_warps: int = NUM_WARPS,
