@@ -504,29 +504,33 @@ MATMUL_CONFIGS = {
 
 def matmul_timings(run: Run) -> dict:
     """Device us of exact numerics' row-invariant Triton matmul against torch's linear (cuBLAS) at the 3B's
-    linears, bf16, for a one-row call (the AR step) and 64 rows (a verify): every config of
-    `MATMUL_CONFIGS` (the tiles are the reduction order: a config is chosen once per dtype, never per call),
-    within --sweep-s seconds; the sum over a layer's four linears gives `layer_rows{M}`."""
+    linears, bf16, for a one-row call (the AR step) and 64 rows (a verify), config by config of
+    `MATMUL_CONFIGS` in order (the tiles are the reduction order: a config is chosen once per dtype, never
+    per call), within --matmul-s seconds (a config starts only with time left: the default and the old
+    tiles first); `layer_rows{M}_us` sums a layer's four linears per config."""
     from glance_rt.plugins import matmul_triton
 
-    out, stop = {}, time.perf_counter() + run.args.sweep_s
-    for rows in (1, 64):
-        for name, (n, k) in MATMUL_SHAPES.items():
-            x = torch.randn(rows, k, device=run.device, dtype=torch.bfloat16)
-            w = torch.randn(n, k, device=run.device, dtype=torch.bfloat16) * 0.02
-            figs = {"torch": graph_time_us(lambda x=x, w=w: torch.nn.functional.linear(x, w))}
-            for label, c in MATMUL_CONFIGS.items():
-                if time.perf_counter() > stop or run.left() < run.args.floor:
-                    figs[label] = "skipped: --sweep-s"
-                    continue
-                keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
-                cfg = None if c is None else dict(zip(keys, c, strict=True))
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+    out, stop = {}, time.perf_counter() + run.args.matmul_s
+    calls = {(rows, name): (torch.randn(rows, k, device=run.device, dtype=torch.bfloat16),
+                            torch.randn(n, k, device=run.device, dtype=torch.bfloat16) * 0.02)
+             for rows in (1, 64) for name, (n, k) in MATMUL_SHAPES.items()}
+    for (rows, name), (x, w) in calls.items():
+        torch_us = graph_time_us(lambda x=x, w=w: torch.nn.functional.linear(x, w))  # cuBLAS
+        out[f"{name}_rows{rows}_us"] = {"torch": round(torch_us, 1)}
+    for label, c in MATMUL_CONFIGS.items():
+        cfg = None if c is None else dict(zip(keys, c, strict=True))
+        for (rows, name), (x, w) in calls.items():
+            if time.perf_counter() > stop or run.left() < run.args.floor:
+                fig = "skipped: --matmul-s"
+            else:
                 try:
-                    figs[label] = round(graph_time_us(lambda x=x, w=w, cfg=cfg: matmul_triton.invariant_linear(
+                    fig = round(graph_time_us(lambda x=x, w=w, cfg=cfg: matmul_triton.invariant_linear(
                         x, w, None, config=cfg)), 1)
                 except Exception as e:  # out of shared memory: a result of the sweep, not a failure
-                    figs[label] = f"{type(e).__name__}: {str(e)[:120]}"
-            out[f"{name}_rows{rows}_us"] = {k: round(v, 1) if isinstance(v, float) else v for k, v in figs.items()}
+                    fig = f"{type(e).__name__}: {str(e)[:120]}"
+            out[f"{name}_rows{rows}_us"][label] = fig
+    for rows in (1, 64):
         shapes = [out[f"{name}_rows{rows}_us"] for name in MATMUL_SHAPES]
         out[f"layer_rows{rows}_us"] = {label: round(sum(f[label] for f in shapes), 1) for label in shapes[0]
                                        if all(isinstance(f[label], float) for f in shapes)}  # timed on all four
@@ -1131,6 +1135,8 @@ def parse_args(argv=None):
     ap.add_argument("--spare-budgets", default="16,128", help="timed too when time allows")
     ap.add_argument("--models", default=",".join(MODELS), help=f"timings: any of {', '.join(MODELS)}")
     ap.add_argument("--sweep-s", type=float, default=60, help="kernel: seconds for the launch-settings sweep")
+    ap.add_argument("--matmul-s", type=float, default=30,
+                    help="kernel: seconds in all for exact numerics' matmul against torch's linear, config by config")
     ap.add_argument("--eager-passes", action="store_true", help="time every pass eagerly too (default: the AR step)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--target", help="real section: a GGUF file or HF model folder (glance_rt.load_target)")
