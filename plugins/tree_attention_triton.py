@@ -286,11 +286,19 @@ def tree_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_ROWS,
 
 @triton.jit
 def tree_attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_ROWS, KV_BATCH, SPLITS,
-                                acc_ptr, ml_ptr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                acc_ptr, ml_ptr, out_ptr, count_ptr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                 SCALE: tl.constexpr, SPLIT_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TREE_BITS: tl.constexpr = False):
+                                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TREE_BITS: tl.constexpr = False,
+                                FUSED: tl.constexpr = False):
     """One split's partial state (program_id(2) = sequence * SPLITS + split) for one query tile of one KV
-    head, into scratch laid out as acc [B, KVH, SPLITS, G*T, D] and ml [B, KVH, SPLITS, G*T, 2] (fp32)."""
+    head, into scratch laid out as acc [B, KVH, SPLITS, G*T, D] and ml [B, KVH, SPLITS, G*T, 2] (fp32).
+
+    FUSED: no combine launch. Each live split's program counts itself in its query tile's counter
+    (count_ptr [B, KVH, tiles] int32, zero before the launch) once its state is stored; the one that
+    counts last folds the tile's live splits in split order, as the combine kernel does (the same bits),
+    writes out [B, H, T, D] and sets the counter back to 0 for the next launch. The stores are ordered
+    before the count by a barrier and the count's release; the last program's loads come after its
+    acquire, from L2 (".cg"). Unused otherwise (out_ptr, count_ptr: any pointer)."""
     seq, split = tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS
     mask_ptr, prefix, kv_base = _sequence(seq, mask_ptr, prefix_ptr, T, KV_ROWS, KV_BATCH, HEAD_DIM)
     lo = split * SPLIT_ROWS
@@ -304,6 +312,14 @@ def tree_attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV
         head = seq * tl.num_programs(1) + tl.program_id(1)  # the (sequence, KV head) pair
         part = (head.to(tl.int64) * SPLITS + split) * (GROUPS * T) + r  # [M] rows of the scratch
         _store_partial(acc_ptr, ml_ptr, part, d, r_ok, d_ok, m_i, l_i, acc, HEAD_DIM)
+        if FUSED:
+            live = tl.cdiv(prefix + T, SPLIT_ROWS)
+            counter = count_ptr + head.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # this query tile's
+            tl.debug_barrier()  # every thread's stores issued before the count releases them
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == live - 1:  # the last live split
+                _fold_splits(acc_ptr, ml_ptr, out_ptr, head, SPLITS, live, GROUPS * T, r, d, r_ok, d_ok, q_off,
+                             HEAD_DIM, BLOCK_M, BLOCK_D, ".cg")
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
@@ -316,13 +332,23 @@ def tree_attention_combine_kernel(acc_ptr, ml_ptr, prefix_ptr, T, SPLITS, out_pt
     r, t, d, r_ok, d_ok, q_off = _query_tile(seq, T, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D)
     head = seq * tl.num_programs(1) + tl.program_id(1)  # the (sequence, KV head) pair
     live = tl.cdiv(tl.load(prefix_ptr + seq).to(tl.int32) + T, SPLIT_ROWS)
+    _fold_splits(acc_ptr, ml_ptr, out_ptr, head, SPLITS, live, GROUPS * T, r, d, r_ok, d_ok, q_off, HEAD_DIM,
+                 BLOCK_M, BLOCK_D, "")
+
+
+@triton.jit
+def _fold_splits(acc_ptr, ml_ptr, out_ptr, head, SPLITS, live, rows, r, d, r_ok, d_ok, q_off,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr):
+    """Fold the partial states of splits 0..live-1 of the (sequence, KV head) `head`'s folded rows r [M]
+    (of `rows`) in split order, normalise and store them at q_off. `CACHE`: the loads' cache modifier
+    (".cg": from L2, for states other programs of the same launch wrote)."""
     m_i, l_i, acc = _empty_state(BLOCK_M, BLOCK_D)
     for split in range(0, live):
-        part = (head.to(tl.int64) * SPLITS + split) * (GROUPS * T) + r  # [M]
-        m_s = tl.load(ml_ptr + part * 2, mask=r_ok, other=M_START)
-        l_s = tl.load(ml_ptr + part * 2 + 1, mask=r_ok, other=0.0)
+        part = (head.to(tl.int64) * SPLITS + split) * rows + r  # [M]
+        m_s = tl.load(ml_ptr + part * 2, mask=r_ok, other=M_START, cache_modifier=CACHE)
+        l_s = tl.load(ml_ptr + part * 2 + 1, mask=r_ok, other=0.0, cache_modifier=CACHE)
         acc_s = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=r_ok[:, None] & d_ok[None, :],
-                        other=0.0)
+                        other=0.0, cache_modifier=CACHE)
         m_new = tl.maximum(m_i, m_s)
         alpha, beta = tl.exp(m_i - m_new), tl.exp(m_s - m_new)
         l_i = l_i * alpha + l_s * beta
@@ -396,7 +422,9 @@ def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int
     combine); `split_rows` None, or L <= split_rows, runs the direct kernel alone. `block_m`: the split
     kernel's query rows per program (None: `split_block_m`); it changes no result. `tune`: launch
     settings to measure (gpu_check's sweep), any of BLOCK_N (tile rows: it changes the reduction order,
-    so the op keeps `blocks`' one per dtype and head dim), num_warps, num_stages. `exact`: the path
+    so the op keeps `blocks`' one per dtype and head dim), num_warps, num_stages, TREE_BITS (False: the
+    tree mask gathered per tile), FUSED (True: the split kernel folds the splits itself, no combine
+    launch; same bits; not yet the op's default: measured by the GPU check first). `exact`: the path
     kernel (exact numerics: every row the bits of the AR step at its position; `block_m` unused)."""
     import torch
 
@@ -411,6 +439,7 @@ def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int
     mask = tree_mask.contiguous()  # [B, T, T] (or [T, T]: B = 1)
     strides = (k.stride(1) // d, k.stride(0) // d)  # KV_ROWS, KV_BATCH: head and sequence strides in rows
     tune = dict(tune or {})
+    fused = tune.pop("FUSED", False)  # the split kernel folds the splits itself (no combine launch)
     common = dict(GROUPS=groups, HEAD_DIM=d, num_warps=tune.pop("num_warps", NUM_WARPS),
                   num_stages=tune.pop("num_stages", stages(d, dtype)))
     splits = 1 if split_rows is None else triton.cdiv(kv_len, check_split_rows(split_rows))
@@ -426,10 +455,28 @@ def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int
     tiles = blocks(d, dtype, split_rows) | bits | tune
     tiles["BLOCK_M"] = block_m or split_block_m(groups * t)
     acc, ml = _scratch(q, kv_heads, splits)
-    tree_attention_split_kernel[grid(groups * t, kv_heads, tiles["BLOCK_M"], seqs * splits)](
-        q, k, v, mask, prefix, t, *strides, splits, acc, ml, SCALE=float(scale), SPLIT_ROWS=split_rows,
-        **tiles, **common)
-    return _combine(acc, ml, prefix, t, out, split_rows, tiles, common)
+    programs = grid(groups * t, kv_heads, tiles["BLOCK_M"], seqs * splits)
+    count = _counters(q.device, seqs * kv_heads * programs[0]) if fused else acc
+    tree_attention_split_kernel[programs](
+        q, k, v, mask, prefix, t, *strides, splits, acc, ml, out, count, SCALE=float(scale), SPLIT_ROWS=split_rows,
+        FUSED=fused, **tiles, **common)
+    return out if fused else _combine(acc, ml, prefix, t, out, split_rows, tiles, common)
+
+
+def _counters(device, n: int):
+    """The fused combine's per-tile counters on `device`: at least n int32 zeros, allocated once and kept
+    (each launch's last programs set theirs back to 0), so a CUDA graph captures no fill; the first call
+    must come before any capture (a warm-up), and calls that share a device must not overlap on two
+    streams."""
+    import torch
+
+    have = _COUNTERS.get(str(device))
+    if have is None or have.numel() < n:
+        have = _COUNTERS[str(device)] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return have
+
+
+_COUNTERS: dict = {}  # device -> the fused combine's counters (`_counters`)
 
 
 def _scratch(q, kv_heads: int, splits: int) -> tuple:
@@ -484,13 +531,13 @@ def compile_aot(dtype: str, head_dim: int, groups: int, scale: float, arch: int 
 
 def compile_split_aot(dtype: str, head_dim: int, groups: int, scale: float, arch: int = 90,
                       split_rows: int = SPLIT_ROWS, block_m: int = 16, tree_bits: bool = True,
-                      tune: dict | None = None, aligned: bool = False) -> tuple:
+                      tune: dict | None = None, aligned: bool = False, fused: bool = False) -> tuple:
     """The split-KV pair (split kernel, combine kernel) compiled ahead of time as `compile_aot` does:
     proof with no GPU that both lower to PTX and assemble for `arch`. `tune`: BLOCK_N, num_warps,
-    num_stages as `tree_attention` takes them. `aligned`: pointers 16-byte aligned and the cache's row
-    strides multiples of 16, as Triton's JIT specialises a launch on torch tensors and a cache of a
-    multiple of 16 rows (vectorised loads), so the registers and spills `ptxas` reports for it are the
-    op's on a GPU (`scripts/kernel_resources.py`)."""
+    num_stages as `tree_attention` takes them; `fused`: its FUSED (the combine folded in). `aligned`:
+    pointers 16-byte aligned and the cache's row strides multiples of 16, as Triton's JIT specialises a
+    launch on torch tensors and a cache of a multiple of 16 rows (vectorised loads), so the registers
+    and spills `ptxas` reports for it are the op's on a GPU (`scripts/kernel_resources.py`)."""
     ty = DTYPES[dtype]
     tune = dict(tune or {})
     warps, n_stages = tune.pop("num_warps", NUM_WARPS), tune.pop("num_stages", stages(head_dim, dtype))
@@ -498,9 +545,10 @@ def compile_split_aot(dtype: str, head_dim: int, groups: int, scale: float, arch
     split = _compile(tree_attention_split_kernel,
                      {"q_ptr": f"*{ty}", "k_ptr": f"*{ty}", "v_ptr": f"*{ty}", "mask_ptr": "*i1",
                       "prefix_ptr": "*i64", "T": "i32", "KV_ROWS": "i32", "KV_BATCH": "i32", "SPLITS": "i32",
-                      "acc_ptr": "*fp32", "ml_ptr": "*fp32"},
+                      "acc_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": f"*{ty}", "count_ptr": "*i32"},
                      dict(GROUPS=groups, HEAD_DIM=head_dim, SCALE=float(scale), SPLIT_ROWS=split_rows,
-                          TREE_BITS=tree_bits, **tiles), arch, n_stages, warps, aligned, ("KV_ROWS", "KV_BATCH"))
+                          TREE_BITS=tree_bits, FUSED=fused, **tiles), arch, n_stages, warps, aligned,
+                     ("KV_ROWS", "KV_BATCH"))
     combine = _compile(tree_attention_combine_kernel,
                        {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "prefix_ptr": "*i64", "T": "i32", "SPLITS": "i32",
                         "out_ptr": f"*{ty}"},

@@ -334,7 +334,7 @@ def kernel_section(run: Run) -> dict:
     from glance_rt.plugins import tree_attention_triton as triton_kernel
     from tests.test_attention import random_tree_mask
 
-    dev, fig, worst = run.device, {}, {}
+    dev, fig, worst, same = run.device, {}, {}, {True: 0, False: 0}
     tol = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}
     if dev.type == "cpu":  # Triton's interpreter multiplies bf16 tiles as integers (tests/test_triton_kernel.py)
         del tol[torch.bfloat16]
@@ -354,6 +354,10 @@ def kernel_section(run: Run) -> dict:
             for split_rows in (None, triton_kernel.SPLIT_ROWS, 32 if dev.type == "cuda" or prefix < 200 else None):
                 got = triton_kernel.tree_attention(q, k, v, mask, torch.tensor(prefix, device=dev), d**-0.5,
                                                    split_rows)
+                if split_rows is not None and prefix + t > split_rows:  # several splits: the fused combine too
+                    fused = triton_kernel.tree_attention(q, k, v, mask, torch.tensor(prefix, device=dev), d**-0.5,
+                                                         split_rows, tune={"FUSED": True})
+                    same[bool(torch.equal(fused, got))] += 1
                 err = (got.float().cpu() - want).abs().max().item()
                 key = str(dtype).removeprefix("torch.")
                 worst[key] = max(worst.get(key, 0.0), err)
@@ -362,6 +366,7 @@ def kernel_section(run: Run) -> dict:
                                          f"D={d} split_rows={split_rows}: max error {err:.3g} (NaN: it read the "
                                          "cache tail)")
     fig["max_abs_error"] = worst
+    fig["fused_combine_equals_combine"] = f"{same[True]}/{same[True] + same[False]}"  # bit for bit
     fig["batched_call_equals_each_sequence"] = batched_call_check(run, triton_kernel, random_tree_mask)
     # issue 39's path kernel: every dtype on a GPU; fp32 alone through the (slow) interpreter
     fig["path_rows_equal_their_ar_steps"] = path_check(tol if dev.type == "cuda" else [torch.float32])
@@ -478,6 +483,9 @@ def kernel_timings(run: Run) -> dict:
             # and spills at T = 64; scripts/kernel_resources.py) against the op's int64 bits per query row
             fig[f"mask_gathered_{key}_us"] = graph_time_us(
                 lambda a=args: triton_kernel.tree_attention(*a, tune={"TREE_BITS": False}))
+            # the combine folded into the split kernel (one launch, not yet the default)
+            fig[f"fused_{key}_us"] = graph_time_us(
+                lambda a=args: triton_kernel.tree_attention(*a, tune={"FUSED": True}))
             fig[f"reference_{key}_us"] = graph_time_us(lambda a=args: tree_attention_reference(*a))
             # exact numerics (issue 39): the path kernel, and the gathered copies + SDPA it replaced
             fig[f"exact_{key}_us"] = graph_time_us(lambda a=args: triton_kernel.tree_attention(*a, exact=True))
@@ -1069,6 +1077,12 @@ def summary(report: dict) -> None:
     env = report.get("env", {})
     print("unmet requirements:", env.get("unmet") or "none")
     k = report.get("kernel", {})
+    for key in ("T1_P1024", "T1_P6000", "T64_P6000"):
+        if f"fused_{key}_us" in k:
+            print(f"kernel {key}: split + combine {k[f'kernel_{key}_us']:.1f} us, fused combine "
+                  f"{k[f'fused_{key}_us']:.1f} us, tree mask gathered {k[f'mask_gathered_{key}_us']:.1f} us, "
+                  f"goal {k.get(f'kernel_{key}_goal_us')}")
+    print("fused combine == split + combine, bit for bit:", k.get("fused_combine_equals_combine"))
     print("kernel max |error| vs reference:", k.get("max_abs_error"), "| CUDA graph follows prefix_len:",
           k.get("cuda_graph_follows_prefix_len"), "| a batched call == each sequence's own:",
           k.get("batched_call_equals_each_sequence"), "| path kernel rows == AR steps:",

@@ -32,7 +32,7 @@ def settings(t: int) -> list[dict]:
     return [default, *more]
 
 
-def measure(shape: str, t: int, cfg: dict, tree_bits: bool, dtype: str = "bfloat16") -> dict:
+def measure(shape: str, t: int, cfg: dict, tree_bits: bool, fused: bool = False, dtype: str = "bfloat16") -> dict:
     from glance_rt.plugins import tree_attention_triton as kernel
 
     heads, kv_heads, d = SHAPES[shape]
@@ -40,13 +40,14 @@ def measure(shape: str, t: int, cfg: dict, tree_bits: bool, dtype: str = "bfloat
     block_m = cfg["block_m"] or kernel.split_block_m(groups * t)
     tune = {k: v for k, v in cfg.items() if k != "block_m"}
     split, _ = kernel.compile_split_aot(dtype, d, groups, d**-0.5, 90, kernel.SPLIT_ROWS, block_m, tree_bits,
-                                        tune, aligned=True)
+                                        tune, aligned=True, fused=fused)
     res = kernel.ptxas_resources(split.asm["ptx"])
     threads = 32 * tune["num_warps"]
     per_sm = min(SM_REGISTERS // (res["registers"] * threads), SM_SHARED // max(split.metadata.shared, 1))
     return {"shape": shape, "T": t, "block_m": block_m, "num_warps": tune["num_warps"],
             "BLOCK_N": tune.get("BLOCK_N", kernel.blocks(d, dtype, kernel.SPLIT_ROWS)["BLOCK_N"]),
-            "mask": "bits" if tree_bits else "gathered", **res, "shared": split.metadata.shared,
+            "mask": "bits" if tree_bits else "gathered", "combine": "fused" if fused else "separate", **res,
+            "shared": split.metadata.shared,
             "programs_per_sm": per_sm}
 
 
@@ -57,16 +58,18 @@ def main():
     if os.environ.get("TRITON_INTERPRET"):
         sys.exit("unset TRITON_INTERPRET: the interpreter compiles nothing")
     rows = []
-    print("| shape | T | query rows / program | warps | tile rows | tree mask | registers | spill bytes "
+    print("| shape | T | query rows / program | warps | tile rows | tree mask | combine | registers | spill bytes "
           "(stores / loads) | shared KiB | programs / SM |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for shape in SHAPES:
         for t in (1, 64):
-            for cfg in settings(t):
-                for bits in (False, True):
-                    r = measure(shape, t, cfg, bits)
+            for i, cfg in enumerate(settings(t)):
+                variants = [(False, False), (True, False)] + ([(True, True)] if i == 0 else [])  # (bits, fused)
+                for bits, fused in variants:
+                    r = measure(shape, t, cfg, bits, fused)
                     rows.append(r)
                     print(f"| {shape} | {t} | {r['block_m']} | {r['num_warps']} | {r['BLOCK_N']} | {r['mask']} | "
+                          f"{r['combine']} | "
                           f"{r['registers']} | {r['spill_stores']} / {r['spill_loads']} | {r['shared'] / 1024:.0f} | "
                           f"{r['programs_per_sm']} |", flush=True)
     if args.json:

@@ -112,6 +112,24 @@ def test_tree_bits_give_the_gathered_masks_bits(t, split_rows):
     torch.testing.assert_close(bits.float().cpu(), expected(q, k, v, mask, 50, 0.25), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seqs,t,prefix", [(1, 1, 100), (1, 9, 32), (3, 5, 70)])
+def test_the_fused_combine_gives_the_combine_kernels_bits(dtype, seqs, t, prefix):
+    """FUSED: the last live split of each query tile folds the splits itself (no combine launch): the
+    same bits as split + combine, over sequences with their own prefixes, many splits and spare dead ones;
+    the per-tile counters are back at 0 after the call, so a second call (a graph replay) is right too."""
+    gen = torch.Generator().manual_seed(t)
+    q = torch.randn(seqs, 4, t, 16, generator=gen).to(device(), dtype)
+    k, v = (torch.randn(seqs, 2, prefix + t + 64, 16, generator=gen).to(device(), dtype) for _ in range(2))
+    masks = torch.stack([random_tree_mask(t, gen) for _ in range(seqs)]).to(device())
+    prefixes = torch.tensor([prefix - 7 * i for i in range(seqs)], device=device())
+    want = triton_kernel.tree_attention(q, k, v, masks, prefixes, 0.25, 16)
+    for _ in range(2):
+        got = triton_kernel.tree_attention(q, k, v, masks, prefixes, 0.25, 16, tune={"FUSED": True})
+        assert torch.equal(got, want)
+        assert not triton_kernel._COUNTERS[str(q.device)].any()
+
+
 def test_split_kernel_default_splits_a_long_cache():
     """The op's own default (SPLIT_ROWS) at a cache of several splits, through the named op's launcher."""
     s = triton_kernel.SPLIT_ROWS
