@@ -12,7 +12,6 @@ Not under TRITON_INTERPRET=1 (the interpreter replaces Triton's language: nothin
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -73,9 +72,9 @@ def main():
                           f"{r['registers']} | {r['spill_stores']} / {r['spill_loads']} | {r['shared'] / 1024:.0f} | "
                           f"{r['programs_per_sm']} |", flush=True)
     if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(rows, f, indent=1)
-        os.replace(args.json + ".tmp", args.json)
+        from glance_rt.files import write_json
+
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

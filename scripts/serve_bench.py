@@ -211,11 +211,9 @@ def main():
               f"{r['concurrent']['tok_s'] / base['concurrent']['tok_s']:.2f}x tokens/s, TTFT p50 "
               f"{base['concurrent']['ttft_s']['p50'] / r['concurrent']['ttft_s']['p50']:.2f}x lower")
     if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(report, f, indent=2)
-        import os
+        from glance_rt.files import write_json
 
-        os.replace(args.json + ".tmp", args.json)
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":
