@@ -24,7 +24,9 @@ tiles inside a split start at its boundary, so every query row's reduction order
 cache rows alone: a verify row and an autoregressive step at the same position reduce alike, and a
 longer prefix adds programs instead of lengthening one program's loop. One split's fold is exact
 (e^(-1e30-m) = 0, e^0 = 1), so a cache of at most SPLIT_ROWS rows runs the direct kernel alone (no
-scratch, one launch) with bit-identical results.
+scratch, one launch) with bit-identical results. Opt-in (`tune={"FUSED": True}`, measured on a GPU before
+it becomes the default): the split kernel folds the splits itself, in the last live split's program of
+each query tile (a per-tile counter), and no combine is launched; the same bits.
 
 Batches (`glance_rt.round.batch`): a call may carry B sequences, each with its own query rows, cache
 rows, tree mask and prefix length (q [B, H, T, D], k, v [B, KVH, L, D], tree_mask [B, T, T], prefix_len
@@ -131,7 +133,7 @@ def _attend_rows(q, k_ptr, v_ptr, mask_ptr, kv_base, prefix, T, t, r_ok, d, d_ok
     int64, and a tile tests its columns' bits; else a tile gathers its [M, N] mask entries from memory.
     The same visibility either way (the same bits out), but the gather's M x N pointers and bytes, held
     by the pipeliner for the next tile, cost registers: at a 7B's shapes (bf16, sm_90, 4 warps) 168
-    against 96 a thread with 16 query rows, and 255 plus 404 bytes of spills against 212 with 64
+    against 96 a thread with 16 query rows, and 255 plus 404 bytes of spills against 216 with 64
     (`scripts/kernel_resources.py`)."""
     full = lo + tl.maximum(tl.minimum(prefix, hi) - lo, 0) // BLOCK_N * BLOCK_N  # end of the whole prefix tiles
     for start in range(lo, full, BLOCK_N):
