@@ -329,6 +329,19 @@ class Run:
 # ------------------------------------------------------------------------------------------------ kernel
 
 
+def fused_attempt(fig: dict, fn, *args, **kwargs):
+    """fn(*args, **kwargs) for the opt-in fused combine (`tree_attention(..., tune={"FUSED": True})`),
+    whose error of its own is a result, not a failure of the kernel section: recorded once as
+    fig["fused_error"], after which no fused call runs. -> fn's value, or None."""
+    if "fused_error" in fig:
+        return None
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        fig["fused_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        return None
+
+
 def kernel_section(run: Run) -> dict:
     from glance_rt.models.attention import tree_attention_reference
     from glance_rt.plugins import tree_attention_triton as triton_kernel
@@ -354,13 +367,11 @@ def kernel_section(run: Run) -> dict:
             for split_rows in (None, triton_kernel.SPLIT_ROWS, 32 if dev.type == "cuda" or prefix < 200 else None):
                 got = triton_kernel.tree_attention(q, k, v, mask, torch.tensor(prefix, device=dev), d**-0.5,
                                                    split_rows)
-                if split_rows is not None and prefix + t > split_rows and "fused_error" not in fig:
-                    try:  # several splits: the fused combine too (opt-in: an error of its own is a result)
-                        fused = triton_kernel.tree_attention(q, k, v, mask, torch.tensor(prefix, device=dev),
-                                                             d**-0.5, split_rows, tune={"FUSED": True})
+                if split_rows is not None and prefix + t > split_rows:  # several splits: the fused combine too
+                    fused = fused_attempt(fig, triton_kernel.tree_attention, q, k, v, mask,
+                                          torch.tensor(prefix, device=dev), d**-0.5, split_rows, tune={"FUSED": True})
+                    if fused is not None:
                         same[bool(torch.equal(fused, got))] += 1
-                    except Exception as e:
-                        fig["fused_error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 err = (got.float().cpu() - want).abs().max().item()
                 key = str(dtype).removeprefix("torch.")
                 worst[key] = max(worst.get(key, 0.0), err)
@@ -486,12 +497,11 @@ def kernel_timings(run: Run) -> dict:
             # and spills at T = 64; scripts/kernel_resources.py) against the op's int64 bits per query row
             fig[f"mask_gathered_{key}_us"] = graph_time_us(
                 lambda a=args: triton_kernel.tree_attention(*a, tune={"TREE_BITS": False}))
-            if "fused_error" not in fig:  # the combine folded into the split kernel (one launch, not yet the default)
-                try:
-                    fig[f"fused_{key}_us"] = graph_time_us(
-                        lambda a=args: triton_kernel.tree_attention(*a, tune={"FUSED": True}))
-                except Exception as e:
-                    fig["fused_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            # the combine folded into the split kernel (one launch, not yet the default)
+            fused_us = fused_attempt(fig, graph_time_us,
+                                     lambda a=args: triton_kernel.tree_attention(*a, tune={"FUSED": True}))
+            if fused_us is not None:
+                fig[f"fused_{key}_us"] = fused_us
             fig[f"reference_{key}_us"] = graph_time_us(lambda a=args: tree_attention_reference(*a))
             # exact numerics (issue 39): the path kernel, and the gathered copies + SDPA it replaced
             fig[f"exact_{key}_us"] = graph_time_us(lambda a=args: triton_kernel.tree_attention(*a, exact=True))
@@ -510,21 +520,22 @@ def kernel_timings(run: Run) -> dict:
 
 # issue 39's row-invariant matmul at Qwen2.5-VL-3B's linears (out, in): q+k+v, o, gate+up, down
 MATMUL_SHAPES = {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (22016, 2048), "down": (2048, 11008)}
-# the default first; then the tiles before 2026-12-06 and alternatives: (BLOCK_M, _N, _K, warps, stages)
-MATMUL_CONFIGS = {
-    "default": None, "m16_n64_k64_w4_s2": (16, 64, 64, 4, 2), "m16_n32_k128_w4_s4": (16, 32, 128, 4, 4),
-    "m64_n16_k128_w4_s4": (64, 16, 128, 4, 4), "m16_n16_k256_w8_s3": (16, 16, 256, 8, 3)}
+# after the default (matmul_triton.CONFIGS): the tiles before 2026-12-06, then alternatives;
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+MATMUL_CONFIGS = ((16, 64, 64, 4, 2), (16, 32, 128, 4, 4), (64, 16, 128, 4, 4), (16, 16, 256, 8, 3))
 
 
 def matmul_timings(run: Run) -> dict:
     """Device us of exact numerics' row-invariant Triton matmul against torch's linear (cuBLAS) at the 3B's
-    linears, bf16, for a one-row call (the AR step) and 64 rows (a verify), config by config of
-    `MATMUL_CONFIGS` in order (the tiles are the reduction order: a config is chosen once per dtype, never
-    per call), within --matmul-s seconds (a config starts only with time left: the default and the old
-    tiles first); `layer_rows{M}_us` sums a layer's four linears per config."""
+    linears, bf16, for a one-row call (the AR step) and 64 rows (a verify), config by config: the default,
+    then `MATMUL_CONFIGS` in order (the tiles are the reduction order: a config is chosen once per dtype,
+    never per call), within --matmul-s seconds (a config starts only with time left: the default and the
+    old tiles first); `layer_rows{M}_us` sums a layer's four linears per config."""
     from glance_rt.plugins import matmul_triton
 
     keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+    configs = {"default": None} | {"m{}_n{}_k{}_w{}_s{}".format(*c): dict(zip(keys, c, strict=True))
+                                   for c in MATMUL_CONFIGS}
     out, stop = {}, time.perf_counter() + run.args.matmul_s
     calls = {(rows, name): (torch.randn(rows, k, device=run.device, dtype=torch.bfloat16),
                             torch.randn(n, k, device=run.device, dtype=torch.bfloat16) * 0.02)
@@ -532,8 +543,7 @@ def matmul_timings(run: Run) -> dict:
     for (rows, name), (x, w) in calls.items():
         torch_us = graph_time_us(lambda x=x, w=w: torch.nn.functional.linear(x, w))  # cuBLAS
         out[f"{name}_rows{rows}_us"] = {"torch": round(torch_us, 1)}
-    for label, c in MATMUL_CONFIGS.items():
-        cfg = None if c is None else dict(zip(keys, c, strict=True))
+    for label, cfg in configs.items():
         for (rows, name), (x, w) in calls.items():
             if time.perf_counter() > stop or run.left() < run.args.floor:
                 fig = "skipped: --matmul-s"
