@@ -88,6 +88,9 @@ SPLIT_ROWS = 256  # cache rows per split (a power of two >= 16): fixed boundarie
 # query rows per combine program: each row's fold is its own (no dot), so small tiles spread a verify
 # call's combine over more programs (the second H200 run: 28 programs folded 24 splits of T = 64 rows)
 COMBINE_BLOCK_M = 16
+# the fused combine's fold (`tree_attention_split_kernel`, FUSED) goes over its query tile in slices of this
+# many rows: folding 64 rows at once held two [64, D] fp32 states and spilled (sm_90, bf16, D = 128)
+FOLD_M = tl.constexpr(COMBINE_BLOCK_M)
 TREE_BITS_ROWS = 64  # trees of at most this many rows test their mask as one int64 per query row (`_attend_rows`)
 M_START = tl.constexpr(-1.0e30)  # the running max before any visible row: finite, so an empty tile gives p = 0, not NaN
 
@@ -257,8 +260,15 @@ def _query_tile(seq, T, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: t
     query r % T. -> (r [M], t [M], d [D], r_ok, d_ok, q_off [M, D]); the G heads of a KV head are
     adjacent in q, and a sequence's H heads follow the previous sequence's."""
     head = seq * tl.num_programs(1) + tl.program_id(1)  # the (sequence, KV head) pair
+    return _tile_rows(head, tl.program_id(0) * BLOCK_M, T, GROUPS, HEAD_DIM, BLOCK_M, BLOCK_D)
+
+
+@triton.jit
+def _tile_rows(head, first, T, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """Folded query rows first .. first + BLOCK_M - 1 of the (sequence, KV head) pair `head`, as `_query_tile`."""
     rows = GROUPS * T
-    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [M]
+    r = first + tl.arange(0, BLOCK_M)  # [M]
     d = tl.arange(0, BLOCK_D)  # [D]
     q_off = (head.to(tl.int64) * rows + r)[:, None] * HEAD_DIM + d[None, :]
     return r, r % T, d, r < rows, d < HEAD_DIM, q_off
@@ -319,8 +329,12 @@ def tree_attention_split_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV
             counter = count_ptr + head.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # this query tile's
             tl.debug_barrier()  # every thread's stores issued before the count releases them
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == live - 1:  # the last live split
-                _fold_splits(acc_ptr, ml_ptr, out_ptr, head, SPLITS, live, GROUPS * T, r, d, r_ok, d_ok, q_off,
-                             HEAD_DIM, BLOCK_M, BLOCK_D, ".cg")
+                # in FOLD_M-row slices of the tile: a slice's state in registers, not the whole tile's twice
+                for first in tl.static_range(0, BLOCK_M, FOLD_M):
+                    rs, _, d, rs_ok, d_ok, qs_off = _tile_rows(head, tl.program_id(0) * BLOCK_M + first, T, GROUPS,
+                                                               HEAD_DIM, FOLD_M, BLOCK_D)
+                    _fold_splits(acc_ptr, ml_ptr, out_ptr, head, SPLITS, live, GROUPS * T, rs, d, rs_ok, d_ok, qs_off,
+                                 HEAD_DIM, FOLD_M, BLOCK_D, ".cg")
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
@@ -456,6 +470,9 @@ def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int
         return out
     tiles = blocks(d, dtype, split_rows) | bits | tune
     tiles["BLOCK_M"] = block_m or split_block_m(groups * t)
+    if fused and tiles["BLOCK_M"] % COMBINE_BLOCK_M:
+        raise ValueError(f"the fused combine folds {COMBINE_BLOCK_M}-row slices of a query tile: block_m must be "
+                         f"a multiple of {COMBINE_BLOCK_M}, got {tiles['BLOCK_M']}")
     acc, ml = _scratch(q, kv_heads, splits)
     programs = grid(groups * t, kv_heads, tiles["BLOCK_M"], seqs * splits)
     count = _counters(q.device, seqs * kv_heads * programs[0]) if fused else acc

@@ -32,6 +32,8 @@ def settings(t: int) -> list[dict]:
 
 
 def measure(shape: str, t: int, cfg: dict, tree_bits: bool, fused: bool = False, dtype: str = "bfloat16") -> dict:
+    import triton
+
     from glance_rt.plugins import tree_attention_triton as kernel
 
     heads, kv_heads, d = SHAPES[shape]
@@ -43,7 +45,7 @@ def measure(shape: str, t: int, cfg: dict, tree_bits: bool, fused: bool = False,
     res = kernel.ptxas_resources(split.asm["ptx"])
     threads = 32 * tune["num_warps"]
     per_sm = min(SM_REGISTERS // (res["registers"] * threads), SM_SHARED // max(split.metadata.shared, 1))
-    return {"shape": shape, "T": t, "block_m": block_m, "num_warps": tune["num_warps"],
+    return {"triton": triton.__version__, "shape": shape, "T": t, "block_m": block_m, "num_warps": tune["num_warps"],
             "BLOCK_N": tune.get("BLOCK_N", kernel.blocks(d, dtype, kernel.SPLIT_ROWS)["BLOCK_N"]),
             "mask": "bits" if tree_bits else "gathered", "combine": "fused" if fused else "separate", **res,
             "shared": split.metadata.shared,

@@ -113,11 +113,12 @@ def test_tree_bits_give_the_gathered_masks_bits(t, split_rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("seqs,t,prefix", [(1, 1, 100), (1, 9, 32), (3, 5, 70)])
+@pytest.mark.parametrize("seqs,t,prefix", [(1, 1, 100), (1, 9, 32), (3, 5, 70), (2, 20, 45)])
 def test_the_fused_combine_gives_the_combine_kernels_bits(dtype, seqs, t, prefix):
     """FUSED: the last live split of each query tile folds the splits itself (no combine launch): the
-    same bits as split + combine, over sequences with their own prefixes, many splits and spare dead ones;
-    the per-tile counters are back at 0 after the call, so a second call (a graph replay) is right too."""
+    same bits as split + combine, over sequences with their own prefixes, many splits and spare dead ones,
+    and 64-row tiles whose fold goes in 16-row slices (40 rows: a part slice and an empty one); the
+    per-tile counters are back at 0 after the call, so a second call (a graph replay) is right too."""
     gen = torch.Generator().manual_seed(t)
     q = torch.randn(seqs, 4, t, 16, generator=gen).to(device(), dtype)
     k, v = (torch.randn(seqs, 2, prefix + t + 64, 16, generator=gen).to(device(), dtype) for _ in range(2))
@@ -128,6 +129,12 @@ def test_the_fused_combine_gives_the_combine_kernels_bits(dtype, seqs, t, prefix
         got = triton_kernel.tree_attention(q, k, v, masks, prefixes, 0.25, 16, tune={"FUSED": True})
         assert torch.equal(got, want)
         assert not triton_kernel._COUNTERS[str(q.device)].any()
+
+
+def test_the_fused_combine_refuses_tiles_it_cannot_slice():
+    q, k, v, mask = case(4, 2, 3, 40, 16, torch.float32, 0)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        triton_kernel.tree_attention(q, k, v, mask, torch.tensor(40), 0.25, 16, block_m=8, tune={"FUSED": True})
 
 
 def test_split_kernel_default_splits_a_long_cache():
@@ -359,20 +366,22 @@ def test_split_kernels_compile_ahead_of_time():
 
 def test_the_ops_split_launches_do_not_spill_registers():
     """At a 7B's attention shapes (bf16, sm_90, pointers aligned as the JIT assumes), the op's default split
-    launch for an AR step (16 query rows a program) and a 64-row verify (64) spills no register, and the
-    tree mask read as bits needs fewer registers than the gathered one (the gather spilled at 64 rows:
+    launch for an AR step (16 query rows a program) and a 64-row verify (64) spills no register, nor does
+    it with the opt-in fused combine (whose fold of a whole 64-row tile spilled), and the tree mask read
+    as bits needs fewer registers than the gathered one (the gather spilled at 64 rows:
     scripts/kernel_resources.py). ptxas, not a timing: a spilling kernel is slow on every GPU."""
     code = ("import json\nfrom glance_rt.plugins import tree_attention_triton as m\nout = {}\n"
             "for t in (1, 64):\n"
-            "    for bits in (True, False):\n"
+            "    for bits, fused in ((True, False), (False, False), (True, True)):\n"
             "        k, _ = m.compile_split_aot('bfloat16', 128, 7, 128 ** -0.5, 90, m.SPLIT_ROWS,\n"
-            "                                   m.split_block_m(7 * t), bits, aligned=True)\n"
-            "        out[f'{t}-{bits}'] = m.ptxas_resources(k.asm['ptx'])\n"
+            "                                   m.split_block_m(7 * t), bits, aligned=True, fused=fused)\n"
+            "        out[f'{t}-{bits}-{fused}'] = m.ptxas_resources(k.asm['ptx'])\n"
             "print(json.dumps(out))")
     got = run_without_interpreter(code)
     for t in (1, 64):
-        bits, gathered = got[f"{t}-True"], got[f"{t}-False"]
-        assert bits["spill_stores"] == bits["spill_loads"] == 0, (t, bits)
+        bits, gathered, fused = got[f"{t}-True-False"], got[f"{t}-False-False"], got[f"{t}-True-True"]
+        for launch in (bits, fused):
+            assert launch["spill_stores"] == launch["spill_loads"] == 0, (t, launch)
         assert bits["registers"] < gathered["registers"], (t, bits, gathered)
 
 
