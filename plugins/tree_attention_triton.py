@@ -46,6 +46,14 @@ is whole when every position in it is on the path, splits past a row's path hold
 fold changes no bit: x*1 + 0). So a verify row and the AR step at the same position feed the same values
 to the same code in the same order: bit for bit, in every dtype, whatever the hardware does inside a
 dot. An AR step (T = 1, mask [[1]]) is a path like any other, so exact numerics run both through it.
+Opt-in (`tune={"PATH_ROWS": R}`, for the GPU check to measure): a program serves R query rows, each in its
+own M head slots of one [R*M, D] query tile. The whole tiles below the prefix are the same cache rows on
+every row's path: read once, one dot for all rows. Then each row's further tiles, each in a dot of the
+same shape whose other rows are dropped. An AR step runs the same program with one row filled, so a row
+meets the same values in the same order in dots of the same shape; its bits then rest on the MMA giving
+a row the same arithmetic at every row slot of a tile (true of the interpreter's row-by-row dot in the
+tests; the GPU check compares rows with their AR steps on the device). A verify call of T rows reads the
+prefix T/R times instead of T times.
 
 Entry points (the first three share one body, `_attend_rows`; the path kernel walks `_attend_path`):
   tree_attention_kernel          direct: one program walks all rows and normalises (the TensorRT plugin's)
@@ -173,24 +181,42 @@ def _tree_bits(mask_ptr, T, cols, t, r_ok):
 
 
 @triton.jit
-def _attend_path(q, k_ptr, v_ptr, kv_base, prefix, counts, c_ok, d, d_ok, lo, hi, m_i, l_i, acc,
-                 HEAD_DIM: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Online softmax of ONE query row's heads q [M, D] along its path positions [lo, hi) (hi <= the path's
-    end) in BLOCK_N-position tiles from lo (`_path_rows` maps positions to cache rows). Whole tiles (every
-    position < hi) run without bounds, the one the path ends in with them: which tile is which depends on
-    the positions alone, as in the autoregressive step at the same position."""
-    full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # end of the whole tiles
-    for start in range(lo, full, BLOCK_N):
-        j = start + tl.arange(0, BLOCK_N)  # [N] path positions, all < hi
-        rows = _path_rows(j, prefix, counts, c_ok)
-        k, v = _kv_tile(k_ptr, v_ptr, kv_base, rows, d, j < full, d_ok, HEAD_DIM, True)
+def _attend_path(q, k_ptr, v_ptr, mask_ptr, kv_base, prefix, T, first, slot_row, lo, lim, d, d_ok, m_i, l_i, acc,
+                 HEAD_DIM: tl.constexpr, SCALE: tl.constexpr, SPLIT_ROWS: tl.constexpr, PARTIAL: tl.constexpr,
+                 PATH_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Online softmax of query rows first .. first + PATH_ROWS - 1, each along its own path, from path
+    position lo (to the split's end where PARTIAL, else to the path's end): q [R*M, D] holds each row's
+    heads in M slots (`slot_row` [R*M]: the row of a slot, 0..R-1), the state likewise. Tiles start at lo
+    and step BLOCK_N. Whole tiles below `lim` (the prefix, or the split's end if sooner) are the same cache
+    rows on every row's path: read once, their scores taken for all rows in one dot. Then each row in
+    turn: its further whole tiles and the one its path ends in (`_path_rows` maps positions to cache rows;
+    the last one bounded), each in one dot of the same [R*M, D] shape whose other rows' results are
+    dropped (`tl.where` keeps the row's slots). So a row meets the same tiles, in the same order, in dots
+    of the same shape, whatever the other rows are: an AR step (T = 1, the other slots empty) gives its
+    bits. Whole tiles run without bounds, which depends on the positions alone."""
+    shared = lo + tl.maximum(lim - lo, 0) // BLOCK_N * BLOCK_N  # end of the whole tiles every path shares
+    for start in range(lo, shared, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)  # [N] cache rows, all < prefix
+        k, v = _kv_tile(k_ptr, v_ptr, kv_base, j, d, j < shared, d_ok, HEAD_DIM, True)
         m_i, l_i, acc = _fold_tile(_scores(q, k, SCALE), v, m_i, l_i, acc)
-    for start in range(full, hi, BLOCK_N):  # at most one tile
-        j = start + tl.arange(0, BLOCK_N)
-        j_ok = j < hi
-        k, v = _kv_tile(k_ptr, v_ptr, kv_base, _path_rows(j, prefix, counts, c_ok), d, j_ok, d_ok, HEAD_DIM, False)
-        s = tl.where(j_ok[None, :], _scores(q, k, SCALE), float("-inf"))  # [M, N]
-        m_i, l_i, acc = _fold_tile(s, v, m_i, l_i, acc)
+    c = tl.arange(0, BLOCK_T)  # [BT] tree columns
+    for i in tl.static_range(PATH_ROWS):
+        t = first + i
+        if t < T:
+            seen = tl.load(mask_ptr + t * T + c, mask=c < T, other=0).to(tl.int32)  # [BT] the rows row t sees
+            counts = tl.cumsum(seen, 0)  # [BT]
+            end = prefix + tl.sum(seen, 0)  # the path's length: prefix, ancestors, itself
+            hi = tl.minimum(lo + SPLIT_ROWS, end) if PARTIAL else end
+            mine = slot_row == i  # [R*M]
+            for start in range(shared, hi, BLOCK_N):  # whole tiles, then the one the path ends in
+                j = start + tl.arange(0, BLOCK_N)  # [N] path positions
+                j_ok = j < hi
+                k, v = _kv_tile(k_ptr, v_ptr, kv_base, _path_rows(j, prefix, counts, c < T), d, j_ok, d_ok,
+                                HEAD_DIM, False)
+                s = tl.where(j_ok[None, :], _scores(q, k, SCALE), float("-inf"))  # [R*M, N]; whole tiles: all kept
+                m_new, l_new, acc_new = _fold_tile(s, v, m_i, l_i, acc)
+                m_i, l_i = tl.where(mine, m_new, m_i), tl.where(mine, l_new, l_i)
+                acc = tl.where(mine[:, None], acc_new, acc)
     return m_i, l_i, acc
 
 
@@ -378,33 +404,33 @@ def tree_attention_path_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, prefix_ptr, T, KV_
                                out_ptr, acc_ptr, ml_ptr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                SCALE: tl.constexpr, SPLIT_ROWS: tl.constexpr, PARTIAL: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                               BLOCK_T: tl.constexpr):
-    """Exact numerics: query row t's heads [tile * BLOCK_M, ...) of one KV head (program_id(0) = t *
-    head tiles + tile) along the row's path. PARTIAL: split program_id(2) % SPLITS's state into the split
-    kernel's scratch (the combine kernel folds it); else the whole path, normalised, into out."""
+                               BLOCK_T: tl.constexpr, PATH_ROWS: tl.constexpr = 1):
+    """Exact numerics: query rows group * PATH_ROWS .. + PATH_ROWS - 1, heads [tile * BLOCK_M, ...) of one
+    KV head (program_id(0) = group * head tiles + tile), each along its own path (`_attend_path`). PARTIAL:
+    split program_id(2) % SPLITS's state into the split kernel's scratch (the combine kernel folds it);
+    else the whole path, normalised, into out."""
     seq, split = tl.program_id(2) // SPLITS, tl.program_id(2) % SPLITS
     mask_ptr, prefix, kv_base = _sequence(seq, mask_ptr, prefix_ptr, T, KV_ROWS, KV_BATCH, HEAD_DIM)
     lo = split * SPLIT_ROWS
     if lo < prefix + T:  # as the split kernel: the combine folds these splits (past the row's path: empty)
         tiles: tl.constexpr = (GROUPS + BLOCK_M - 1) // BLOCK_M
-        t = tl.program_id(0) // tiles
-        g = tl.program_id(0) % tiles * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] heads of this KV head
-        c = tl.arange(0, BLOCK_T)  # [BT] tree columns
-        seen = tl.load(mask_ptr + t * T + c, mask=c < T, other=0).to(tl.int32)  # [BT] the rows row t sees
-        counts = tl.cumsum(seen, 0)  # [BT]
-        end = prefix + tl.sum(seen, 0)  # the path's length: prefix, ancestors, itself
-        hi = tl.minimum(lo + SPLIT_ROWS, end) if PARTIAL else end
-        r = g * T + t  # [M] folded rows (as `_query_tile`'s: head kvh*G + g, query t)
+        first = tl.program_id(0) // tiles * PATH_ROWS  # the group's first query row
+        slot = tl.arange(0, PATH_ROWS * BLOCK_M)  # [R*M]: M head slots per row
+        t = first + slot // BLOCK_M  # [R*M] query row of each slot
+        g = tl.program_id(0) % tiles * BLOCK_M + slot % BLOCK_M  # [R*M] heads of this KV head
+        r = g * T + t  # [R*M] folded rows (as `_query_tile`'s: head kvh*G + g, query t)
         d = tl.arange(0, BLOCK_D)
-        r_ok, d_ok = g < GROUPS, d < HEAD_DIM
+        r_ok, d_ok = (g < GROUPS) & (t < T), d < HEAD_DIM
         head = seq * tl.num_programs(1) + tl.program_id(1)  # the (sequence, KV head) pair
         q_off = (head.to(tl.int64) * (GROUPS * T) + r)[:, None] * HEAD_DIM + d[None, :]
-        q = tl.load(q_ptr + q_off, mask=r_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
-        m_i, l_i, acc = _empty_state(BLOCK_M, BLOCK_D)
-        m_i, l_i, acc = _attend_path(q, k_ptr, v_ptr, kv_base, prefix, counts, c < T, d, d_ok, lo, hi,
-                                     m_i, l_i, acc, HEAD_DIM, SCALE, BLOCK_N)
+        q = tl.load(q_ptr + q_off, mask=r_ok[:, None] & d_ok[None, :], other=0.0)  # [R*M, D]
+        m_i, l_i, acc = _empty_state(PATH_ROWS * BLOCK_M, BLOCK_D)
+        lim = tl.minimum(prefix, lo + SPLIT_ROWS) if PARTIAL else prefix  # below it: every path's own rows
+        m_i, l_i, acc = _attend_path(q, k_ptr, v_ptr, mask_ptr, kv_base, prefix, T, first, slot // BLOCK_M, lo, lim,
+                                     d, d_ok, m_i, l_i, acc, HEAD_DIM, SCALE, SPLIT_ROWS, PARTIAL, PATH_ROWS,
+                                     BLOCK_N, BLOCK_T)
         if PARTIAL:
-            part = (head.to(tl.int64) * SPLITS + split) * (GROUPS * T) + r  # [M] rows of the scratch
+            part = (head.to(tl.int64) * SPLITS + split) * (GROUPS * T) + r  # [R*M] rows of the scratch
             _store_partial(acc_ptr, ml_ptr, part, d, r_ok, d_ok, m_i, l_i, acc, HEAD_DIM)
         else:
             _store_out(out_ptr, q_off, acc, l_i, r_ok[:, None] & d_ok[None, :])
@@ -440,7 +466,8 @@ def tree_attention(q, k, v, tree_mask, prefix_len, scale: float, split_rows: int
     settings to measure (gpu_check's sweep), any of BLOCK_N (tile rows: it changes the reduction order,
     so the op keeps `blocks`' one per dtype and head dim), num_warps, num_stages, TREE_BITS (False: the
     tree mask gathered per tile), FUSED (True: the split kernel folds the splits itself, no combine
-    launch; same bits; not yet the op's default: measured by the GPU check first). `exact`: the path
+    launch; same bits; not yet the op's default: measured by the GPU check first), PATH_ROWS (exact: query
+    rows per path program, default 1; an AR step and its verify rows need the same). `exact`: the path
     kernel (exact numerics: every row the bits of the AR step at its position; `block_m` unused)."""
     import torch
 
@@ -522,7 +549,7 @@ def _path_attention(q, k, v, mask, prefix, t: int, strides: tuple, out, splits: 
     """`tree_attention(..., exact=True)`'s launches: the path kernel over (query row x head tile, KV head,
     sequence x split), then the combine kernel where the cache has several splits."""
     seqs, kv_heads, groups = q.shape[0], k.shape[1], common["GROUPS"]
-    rows = t * triton.cdiv(groups, tiles["BLOCK_M"])  # programs on axis 0: a query row's head tiles
+    rows = triton.cdiv(t, tiles.get("PATH_ROWS", 1)) * triton.cdiv(groups, tiles["BLOCK_M"])  # row groups x head tiles
     path = dict(SCALE=scale, SPLIT_ROWS=split_rows or 0, PARTIAL=splits > 1,
                 BLOCK_T=max(16, triton.next_power_of_2(t)), **tiles, **common)
     if splits == 1:
@@ -577,16 +604,18 @@ def compile_split_aot(dtype: str, head_dim: int, groups: int, scale: float, arch
 
 
 def compile_path_aot(dtype: str, head_dim: int, groups: int, scale: float, arch: int = 90,
-                     split_rows: int = SPLIT_ROWS, partial: bool = True, block_t: int = 16, aligned: bool = False):
+                     split_rows: int = SPLIT_ROWS, partial: bool = True, block_t: int = 16, aligned: bool = False,
+                     path_rows: int = 1):
     """The path kernel (exact numerics) compiled ahead of time as `compile_aot` does: a split's partial
-    state (`partial`) or the direct form, for trees of up to `block_t` rows (`aligned`: as
-    `compile_split_aot`)."""
+    state (`partial`) or the direct form, for trees of up to `block_t` rows, `path_rows` query rows a
+    program (`aligned`: as `compile_split_aot`)."""
     ty = DTYPES[dtype]
     signature = {"q_ptr": f"*{ty}", "k_ptr": f"*{ty}", "v_ptr": f"*{ty}", "mask_ptr": "*i1", "prefix_ptr": "*i64",
                  "T": "i32", "KV_ROWS": "i32", "KV_BATCH": "i32", "SPLITS": "i32", "out_ptr": f"*{ty}",
                  "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
     constexprs = dict(GROUPS=groups, HEAD_DIM=head_dim, SCALE=float(scale), SPLIT_ROWS=split_rows,
-                      PARTIAL=partial, **blocks(head_dim, dtype, check_split_rows(split_rows)), BLOCK_T=block_t)
+                      PARTIAL=partial, **blocks(head_dim, dtype, check_split_rows(split_rows)), BLOCK_T=block_t,
+                      PATH_ROWS=path_rows)
     return _compile(tree_attention_path_kernel, signature, constexprs, arch, stages(head_dim, dtype), NUM_WARPS,
                     aligned, ("KV_ROWS", "KV_BATCH"))
 

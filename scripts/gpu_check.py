@@ -329,16 +329,17 @@ class Run:
 # ------------------------------------------------------------------------------------------------ kernel
 
 
-def fused_attempt(fig: dict, fn, *args, **kwargs):
-    """fn(*args, **kwargs) for the opt-in fused combine (`tree_attention(..., tune={"FUSED": True})`),
-    whose error of its own is a result, not a failure of the kernel section: recorded once as
-    fig["fused_error"], after which no fused call runs. -> fn's value, or None."""
-    if "fused_error" in fig:
+def opt_in_attempt(fig: dict, name: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs) for an opt-in launch setting not yet the op's default (`name`: "fused", the
+    combine folded in; "path_rows", path programs of several rows), whose error of its own is a result, not
+    a failure of the kernel section: recorded once as fig[f"{name}_error"], after which no call of that
+    setting runs. -> fn's value, or None."""
+    if f"{name}_error" in fig:
         return None
     try:
         return fn(*args, **kwargs)
     except Exception as e:
-        fig["fused_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        fig[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
         return None
 
 
@@ -368,7 +369,7 @@ def kernel_section(run: Run) -> dict:
                 got = triton_kernel.tree_attention(q, k, v, mask, torch.tensor(prefix, device=dev), d**-0.5,
                                                    split_rows)
                 if split_rows is not None and prefix + t > split_rows:  # several splits: the fused combine too
-                    fused = fused_attempt(fig, triton_kernel.tree_attention, q, k, v, mask,
+                    fused = opt_in_attempt(fig, "fused", triton_kernel.tree_attention, q, k, v, mask,
                                           torch.tensor(prefix, device=dev), d**-0.5, split_rows, tune={"FUSED": True})
                     if fused is not None:
                         same[bool(torch.equal(fused, got))] += 1
@@ -384,6 +385,14 @@ def kernel_section(run: Run) -> dict:
     fig["batched_call_equals_each_sequence"] = batched_call_check(run, triton_kernel, random_tree_mask)
     # issue 39's path kernel: every dtype on a GPU; fp32 alone through the (slow) interpreter
     fig["path_rows_equal_their_ar_steps"] = path_check(tol if dev.type == "cuda" else [torch.float32])
+    # opt-in: several query rows a path program (an AR step fills one of them). Bit equality there rests on
+    # the MMA giving a row the same bits at every row slot of a tile: the GPU's to show. On CPU (the script's
+    # own check) fp32 through the interpreter, whose host BLAS may not (tests/conftest.py's interpreter_dot)
+    for rows in PATH_ROWS if dev.type == "cuda" else PATH_ROWS[:1]:
+        got = opt_in_attempt(fig, "path_rows", path_check, [torch.bfloat16 if dev.type == "cuda" else torch.float32],
+                             {"PATH_ROWS": rows})
+        if got is not None:
+            fig[f"path_rows_equal_their_ar_steps_rows{rows}"] = got
     if dev.type == "cuda":
         fig["cuda_graph_follows_prefix_len"] = captured_prefix_check(run)
         fig.update(kernel_timings(run))
@@ -411,15 +420,16 @@ def batched_call_check(run: Run, triton_kernel, random_tree_mask) -> bool:
     return True
 
 
-def path_check(dtypes) -> dict:
-    """Issue 39: the path kernel (exact numerics) gives every tree row its AR step's bits on this device:
-    {dtype: rows equal / rows}, over tests/test_triton_kernel.py's cases."""
+def path_check(dtypes, tune: dict | None = None) -> dict:
+    """Issue 39: the path kernel (exact numerics; launch settings `tune`) gives every tree row its AR step's
+    bits on this device: {dtype: rows equal / rows}, over tests/test_triton_kernel.py's cases."""
     from tests.test_triton_kernel import PATH_CASES, path_case, rows_equal_to_their_ar_steps
 
     out = {}
     for dtype in dtypes:
         same = [ok for i, (h, kvh, t, p, d, split) in enumerate(PATH_CASES)
-                for ok in rows_equal_to_their_ar_steps(*path_case(h, kvh, t, p, d, dtype, seed=i), split)]
+                for ok in rows_equal_to_their_ar_steps(*path_case(h, kvh, t, p, d, dtype, seed=i), split,
+                                                       tune=tune)]
         out[str(dtype).removeprefix("torch.")] = f"{sum(same)}/{len(same)}"
     return out
 
@@ -498,13 +508,18 @@ def kernel_timings(run: Run) -> dict:
             fig[f"mask_gathered_{key}_us"] = graph_time_us(
                 lambda a=args: triton_kernel.tree_attention(*a, tune={"TREE_BITS": False}))
             # the combine folded into the split kernel (one launch, not yet the default)
-            fused_us = fused_attempt(fig, graph_time_us,
-                                     lambda a=args: triton_kernel.tree_attention(*a, tune={"FUSED": True}))
+            fused_us = opt_in_attempt(fig, "fused", graph_time_us,
+                                      lambda a=args: triton_kernel.tree_attention(*a, tune={"FUSED": True}))
             if fused_us is not None:
                 fig[f"fused_{key}_us"] = fused_us
             fig[f"reference_{key}_us"] = graph_time_us(lambda a=args: tree_attention_reference(*a))
             # exact numerics (issue 39): the path kernel, and the gathered copies + SDPA it replaced
             fig[f"exact_{key}_us"] = graph_time_us(lambda a=args: triton_kernel.tree_attention(*a, exact=True))
+            for rows in PATH_ROWS:  # opt-in: path programs of several rows, reading the shared prefix once
+                us = opt_in_attempt(fig, "path_rows", graph_time_us, lambda a=args, r=rows:
+                                    triton_kernel.tree_attention(*a, exact=True, tune={"PATH_ROWS": r}))
+                if us is not None:
+                    fig[f"exact_rows{rows}_{key}_us"] = us
             fig[f"gathered_{key}_us"] = graph_time_us(lambda a=args: static_row_attention(*a))
             if key in KERNEL_GOALS_US:
                 fig[f"kernel_{key}_goal_us"] = KERNEL_GOALS_US[key]
@@ -518,6 +533,9 @@ def kernel_timings(run: Run) -> dict:
     return fig
 
 
+# issue 39's path kernel with several query rows a program (`tree_attention(..., tune={"PATH_ROWS": r})`, opt-in):
+# checked for bit equality with its AR steps on the device and timed beside the one-row programs
+PATH_ROWS = (2, 4)
 # issue 39's row-invariant matmul at Qwen2.5-VL-3B's linears (out, in): q+k+v, o, gate+up, down
 MATMUL_SHAPES = {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (22016, 2048), "down": (2048, 11008)}
 # after the default (matmul_triton.CONFIGS): the tiles before 2026-12-06, then alternatives;
@@ -1106,8 +1124,12 @@ def summary(report: dict) -> None:
           k.get("path_rows_equal_their_ar_steps"))
     for key in ("T1_P1024", "T64_P6000"):
         if f"exact_{key}_us" in k:
-            print(f"exact attention {key}: path kernel {k[f'exact_{key}_us']:.1f} us, gathered + SDPA "
-                  f"{k[f'gathered_{key}_us']:.1f} us, fast kernel {k[f'kernel_{key}_us']:.1f} us")
+            rows = ", ".join(f"{r} rows a program {k[f'exact_rows{r}_{key}_us']:.1f} us" for r in PATH_ROWS
+                             if f"exact_rows{r}_{key}_us" in k)
+            print(f"exact attention {key}: path kernel {k[f'exact_{key}_us']:.1f} us ({rows or 'no other rows'}), "
+                  f"gathered + SDPA {k[f'gathered_{key}_us']:.1f} us, fast kernel {k[f'kernel_{key}_us']:.1f} us")
+    print("path programs of several rows, rows == AR steps:",
+          {r: k.get(f"path_rows_equal_their_ar_steps_rows{r}") for r in PATH_ROWS}, k.get("path_rows_error", ""))
     for rows in (1, 64):
         layer = k.get("matmul", {}).get(f"layer_rows{rows}_us")
         if layer:

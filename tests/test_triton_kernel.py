@@ -408,17 +408,17 @@ def committed(k, v, mask, prefix: int, row: int):
     return *out, prefix + len(path) - 1
 
 
-def rows_equal_to_their_ar_steps(q, k, v, mask, prefix, split_rows, exact=True) -> list[bool]:
+def rows_equal_to_their_ar_steps(q, k, v, mask, prefix, split_rows, exact=True, tune=None) -> list[bool]:
     """For every row of a tree call: is its result, bit for bit, the one-row call at its position over the
-    cache with its path committed?"""
+    cache with its path committed (both with launch settings `tune`)?"""
     scale = q.shape[3] ** -0.5
-    tree = triton_kernel.tree_attention(q, k, v, mask, prefix, scale, split_rows, exact=exact)
+    tree = triton_kernel.tree_attention(q, k, v, mask, prefix, scale, split_rows, exact=exact, tune=tune)
     one = torch.ones(1, 1, dtype=torch.bool, device=q.device)
     same = []
     for row in range(q.shape[2]):
         k1, v1, p = committed(k, v, mask, int(prefix), row)
         step = triton_kernel.tree_attention(q[:, :, row : row + 1], k1, v1, one, torch.tensor(p, device=q.device),
-                                            scale, split_rows, exact=exact)
+                                            scale, split_rows, exact=exact, tune=tune)
         same.append(torch.equal(step[:, :, 0], tree[:, :, row]))
     return same
 
@@ -445,6 +445,24 @@ def test_path_kernel_rows_are_their_ar_steps_bit_for_bit(dtype, heads, kv_heads,
     assert all(rows_equal_to_their_ar_steps(q, k, v, mask, p, split_rows))
 
 
+@pytest.mark.parametrize("path_rows", [2, 4])
+@pytest.mark.parametrize("heads,kv_heads,t,prefix,d,split_rows", PATH_CASES)
+def test_path_programs_of_several_rows_give_each_row_its_ar_steps_bits(heads, kv_heads, t, prefix, d, split_rows,
+                                                                       path_rows):
+    """PATH_ROWS (opt-in): a program serves several query rows, reading the prefix tiles their paths share
+    once, each row's dots at the program's one shape (an AR step fills one row of it): every row still gets
+    its AR step's bits (the AR step at the same PATH_ROWS), and the op's values; T not a multiple of it
+    leaves a part group. Here the interpreter's dot is row by row (`interpreter_dot`): that a GPU's MMA
+    gives a row the same bits at any row slot is for the GPU check (`path_rows_equal_their_ar_steps`)."""
+    q, k, v, mask, p = path_case(heads, kv_heads, t, prefix, d, torch.bfloat16, seed=heads + t + prefix)
+    tune = {"PATH_ROWS": path_rows}
+    got = triton_kernel.tree_attention(q, k, v, mask, p, d**-0.5, split_rows, exact=True, tune=tune)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float().cpu(), expected(q, k, v, mask, prefix, d**-0.5), atol=TOL[torch.bfloat16],
+                               rtol=TOL[torch.bfloat16])
+    assert all(rows_equal_to_their_ar_steps(q, k, v, mask, p, split_rows, tune=tune))
+
+
 def test_the_fast_kernel_fails_the_path_check():
     """The same check catches a kernel that is not row-exact: the fast tiles (a row's ancestors at their
     tree rows, other branches masked between them) give some row other bits than its AR step."""
@@ -463,20 +481,27 @@ def test_path_kernel_over_a_batch_gives_each_sequence_its_own_bits(split_rows):
     q = torch.randn(slots, heads, t, d, generator=gen).to(device())
     masks = torch.stack([random_tree_mask(t, gen) for _ in range(slots)]).to(device())
     prefix = (torch.tensor([[0], [33], [70]], device=q.device) + torch.arange(t, device=q.device))[:, 0]
-    got = triton_kernel.tree_attention(q, k[:slots], v[:slots], masks, prefix, 0.25, split_rows, exact=True)
-    for s in range(slots):
-        alone = triton_kernel.tree_attention(q[s : s + 1], k[s : s + 1], v[s : s + 1], masks[s], prefix[s], 0.25,
-                                             split_rows, exact=True)
-        assert torch.equal(got[s : s + 1], alone), s
+    for tune in (None, {"PATH_ROWS": 4}):
+        got = triton_kernel.tree_attention(q, k[:slots], v[:slots], masks, prefix, 0.25, split_rows, exact=True,
+                                           tune=tune)
+        for s in range(slots):
+            alone = triton_kernel.tree_attention(q[s : s + 1], k[s : s + 1], v[s : s + 1], masks[s], prefix[s], 0.25,
+                                                 split_rows, exact=True, tune=tune)
+            assert torch.equal(got[s : s + 1], alone), (s, tune)
 
 
 def test_path_kernel_compiles_ahead_of_time():
     """The path kernel, split and direct forms, lowers to PTX and assembles for sm_80 and sm_90 with no GPU."""
     code = ("import json\nfrom glance_rt.plugins import tree_attention_triton as m\nout = []\n"
-            "for arch, dtype, d, partial, bt in [(90, 'bfloat16', 128, True, 64), (80, 'float32', 64, False, 16)]:\n"
-            "    k = m.compile_path_aot(dtype, d, 7, d ** -0.5, arch, m.SPLIT_ROWS, partial, bt)\n"
-            "    out.append([k.metadata.name, len(k.asm['cubin']), f'.target sm_{arch}' in k.asm['ptx']])\n"
+            "for arch, dtype, d, partial, bt, rows in [(90, 'bfloat16', 128, True, 64, 1),\n"
+            "                                          (80, 'float32', 64, False, 16, 1),\n"
+            "                                          (90, 'bfloat16', 128, True, 64, 2)]:\n"
+            "    k = m.compile_path_aot(dtype, d, 7, d ** -0.5, arch, m.SPLIT_ROWS, partial, bt, True, rows)\n"
+            "    out.append([k.metadata.name, len(k.asm['cubin']), f'.target sm_{arch}' in k.asm['ptx'],\n"
+            "                m.ptxas_resources(k.asm['ptx'])])\n"
             "print(json.dumps(out))")
     got = run_without_interpreter(code)
-    assert [name for name, _, _ in got] == ["tree_attention_path_kernel"] * 2
-    assert all(cubin > 0 and target for _, cubin, target in got)
+    assert [name for name, *_ in got] == ["tree_attention_path_kernel"] * 3
+    assert all(cubin > 0 and target for _, cubin, target, _ in got)
+    split_one, split_two = got[0][3], got[2][3]  # the op's split launch at 1 and 2 query rows a program
+    assert split_one["spill_stores"] == split_two["spill_stores"] == 0, (split_one, split_two)
