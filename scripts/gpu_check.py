@@ -388,7 +388,7 @@ def kernel_section(run: Run) -> dict:
     # opt-in: several query rows a path program (an AR step fills one of them). Bit equality there rests on
     # the MMA giving a row the same bits at every row slot of a tile: the GPU's to show. On CPU (the script's
     # own check) fp32 through the interpreter, whose host BLAS may not (tests/conftest.py's interpreter_dot)
-    for rows in PATH_ROWS if dev.type == "cuda" else PATH_ROWS[:1]:
+    for rows in path_rows(run) if dev.type == "cuda" else path_rows(run)[:1]:
         got = opt_in_attempt(fig, "path_rows", path_check, [torch.bfloat16 if dev.type == "cuda" else torch.float32],
                              {"PATH_ROWS": rows})
         if got is not None:
@@ -515,7 +515,7 @@ def kernel_timings(run: Run) -> dict:
             fig[f"reference_{key}_us"] = graph_time_us(lambda a=args: tree_attention_reference(*a))
             # exact numerics (issue 39): the path kernel, and the gathered copies + SDPA it replaced
             fig[f"exact_{key}_us"] = graph_time_us(lambda a=args: triton_kernel.tree_attention(*a, exact=True))
-            for rows in PATH_ROWS:  # opt-in: path programs of several rows, reading the shared prefix once
+            for rows in path_rows(run):  # opt-in: path programs of several rows, reading the shared prefix once
                 us = opt_in_attempt(fig, "path_rows", graph_time_us, lambda a=args, r=rows:
                                     triton_kernel.tree_attention(*a, exact=True, tune={"PATH_ROWS": r}))
                 if us is not None:
@@ -533,9 +533,13 @@ def kernel_timings(run: Run) -> dict:
     return fig
 
 
-# issue 39's path kernel with several query rows a program (`tree_attention(..., tune={"PATH_ROWS": r})`, opt-in):
-# checked for bit equality with its AR steps on the device and timed beside the one-row programs
-PATH_ROWS = (2, 4)
+def path_rows(run: Run) -> tuple[int, ...]:
+    """--path-rows: issue 39's path kernel with several query rows a program (`tree_attention(...,
+    tune={"PATH_ROWS": r})`, opt-in), checked for bit equality with its AR steps on the device and timed
+    beside the one-row programs."""
+    return tuple(int(r) for r in run.args.path_rows.split(",") if r)
+
+
 # issue 39's row-invariant matmul at Qwen2.5-VL-3B's linears (out, in): q+k+v, o, gate+up, down
 MATMUL_SHAPES = {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (22016, 2048), "down": (2048, 11008)}
 # after the default (matmul_triton.CONFIGS): the tiles before 2026-12-06, then alternatives;
@@ -1124,12 +1128,13 @@ def summary(report: dict) -> None:
           k.get("path_rows_equal_their_ar_steps"))
     for key in ("T1_P1024", "T64_P6000"):
         if f"exact_{key}_us" in k:
-            rows = ", ".join(f"{r} rows a program {k[f'exact_rows{r}_{key}_us']:.1f} us" for r in PATH_ROWS
+            rows = ", ".join(f"{r} rows a program {k[f'exact_rows{r}_{key}_us']:.1f} us" for r in (2, 4, 8)
                              if f"exact_rows{r}_{key}_us" in k)
             print(f"exact attention {key}: path kernel {k[f'exact_{key}_us']:.1f} us ({rows or 'no other rows'}), "
                   f"gathered + SDPA {k[f'gathered_{key}_us']:.1f} us, fast kernel {k[f'kernel_{key}_us']:.1f} us")
     print("path programs of several rows, rows == AR steps:",
-          {r: k.get(f"path_rows_equal_their_ar_steps_rows{r}") for r in PATH_ROWS}, k.get("path_rows_error", ""))
+          {n.rsplit("rows", 1)[1]: x for n, x in k.items() if n.startswith("path_rows_equal_their_ar_steps_rows")},
+          k.get("path_rows_error", ""))
     for rows in (1, 64):
         layer = k.get("matmul", {}).get(f"layer_rows{rows}_us")
         if layer:
@@ -1190,6 +1195,8 @@ def parse_args(argv=None):
     ap.add_argument("--sweep-s", type=float, default=60, help="kernel: seconds for the launch-settings sweep")
     ap.add_argument("--matmul-s", type=float, default=30,
                     help="kernel: seconds in all for exact numerics' matmul against torch's linear, config by config")
+    ap.add_argument("--path-rows", default="2,4",
+                    help="kernel: exact numerics' path kernel at these query rows a program too (opt-in; '' for none)")
     ap.add_argument("--eager-passes", action="store_true", help="time every pass eagerly too (default: the AR step)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--target", help="real section: a GGUF file or HF model folder (glance_rt.load_target)")
