@@ -1,4 +1,5 @@
-"""Registers, spills and shared memory of the split-KV tree-attention kernel per launch setting, with no GPU.
+"""Registers, spills and shared memory of the split-KV tree-attention kernel per launch setting, and of exact
+numerics' path kernel per query rows a program, with no GPU.
 
 Triton compiles the kernel for sm_90 (H100/H200) as its JIT would for a launch on torch tensors (16-byte
 aligned pointers), and `ptxas -v` says what each program needs. A kernel that spills registers, or needs
@@ -45,11 +46,27 @@ def measure(shape: str, t: int, cfg: dict, tree_bits: bool, fused: bool = False,
     res = kernel.ptxas_resources(split.asm["ptx"])
     threads = 32 * tune["num_warps"]
     per_sm = min(SM_REGISTERS // (res["registers"] * threads), SM_SHARED // max(split.metadata.shared, 1))
-    return {"triton": triton.__version__, "shape": shape, "T": t, "block_m": block_m, "num_warps": tune["num_warps"],
+    return {"triton": triton.__version__, "kernel": "split", "shape": shape, "T": t, "block_m": block_m,
+            "num_warps": tune["num_warps"],
             "BLOCK_N": tune.get("BLOCK_N", kernel.blocks(d, dtype, kernel.SPLIT_ROWS)["BLOCK_N"]),
             "mask": "bits" if tree_bits else "gathered", "combine": "fused" if fused else "separate", **res,
             "shared": split.metadata.shared,
             "programs_per_sm": per_sm}
+
+
+def measure_path(shape: str, path_rows: int, dtype: str = "bfloat16") -> dict:
+    """Exact numerics' path kernel (split form, trees of up to 64 rows) at `path_rows` query rows a program."""
+    import triton
+
+    from glance_rt.plugins import tree_attention_triton as kernel
+
+    heads, kv_heads, d = SHAPES[shape]
+    k = kernel.compile_path_aot(dtype, d, heads // kv_heads, d**-0.5, 90, kernel.SPLIT_ROWS, True, 64, True,
+                                path_rows)
+    res = kernel.ptxas_resources(k.asm["ptx"])
+    per_sm = min(SM_REGISTERS // (res["registers"] * 32 * kernel.NUM_WARPS), SM_SHARED // max(k.metadata.shared, 1))
+    return {"triton": triton.__version__, "kernel": "path", "shape": shape, "path_rows": path_rows, **res,
+            "shared": k.metadata.shared, "programs_per_sm": per_sm}
 
 
 def main():
@@ -73,6 +90,14 @@ def main():
                           f"{r['combine']} | "
                           f"{r['registers']} | {r['spill_stores']} / {r['spill_loads']} | {r['shared'] / 1024:.0f} | "
                           f"{r['programs_per_sm']} |", flush=True)
+    print("\n| shape | path kernel: query rows / program | registers | spill bytes (stores / loads) | shared KiB | "
+          "programs / SM |\n|---|---|---|---|---|---|")
+    for shape in SHAPES:
+        for path_rows in (1, 2, 4):
+            r = measure_path(shape, path_rows)
+            rows.append(r)
+            print(f"| {shape} | {path_rows} | {r['registers']} | {r['spill_stores']} / {r['spill_loads']} | "
+                  f"{r['shared'] / 1024:.0f} | {r['programs_per_sm']} |", flush=True)
     if args.json:
         from glance_rt.files import write_json
 
