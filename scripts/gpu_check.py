@@ -370,7 +370,7 @@ def kernel_section(run: Run) -> dict:
                                                    split_rows)
                 if split_rows is not None and prefix + t > split_rows:  # several splits: the fused combine too
                     fused = opt_in_attempt(fig, "fused", triton_kernel.tree_attention, q, k, v, mask,
-                                          torch.tensor(prefix, device=dev), d**-0.5, split_rows, tune={"FUSED": True})
+                                           torch.tensor(prefix, device=dev), d**-0.5, split_rows, tune={"FUSED": True})
                     if fused is not None:
                         same[bool(torch.equal(fused, got))] += 1
                 err = (got.float().cpu() - want).abs().max().item()
@@ -1128,8 +1128,8 @@ def summary(report: dict) -> None:
           k.get("path_rows_equal_their_ar_steps"))
     for key in ("T1_P1024", "T64_P6000"):
         if f"exact_{key}_us" in k:
-            rows = ", ".join(f"{r} rows a program {k[f'exact_rows{r}_{key}_us']:.1f} us" for r in (2, 4, 8)
-                             if f"exact_rows{r}_{key}_us" in k)
+            rows = ", ".join(f"{n.removeprefix('exact_rows').split('_')[0]} rows a program {x:.1f} us"
+                             for n, x in k.items() if n.startswith("exact_rows") and n.endswith(f"_{key}_us"))
             print(f"exact attention {key}: path kernel {k[f'exact_{key}_us']:.1f} us ({rows or 'no other rows'}), "
                   f"gathered + SDPA {k[f'gathered_{key}_us']:.1f} us, fast kernel {k[f'kernel_{key}_us']:.1f} us")
     print("path programs of several rows, rows == AR steps:",

@@ -32,6 +32,11 @@ def settings(t: int) -> list[dict]:
     return [default, *more]
 
 
+def programs_per_sm(registers: int, num_warps: int, shared: int) -> int:
+    """Programs of a kernel one SM holds at once, by its registers a thread and its shared memory bytes."""
+    return min(SM_REGISTERS // (registers * 32 * num_warps), SM_SHARED // max(shared, 1))
+
+
 def measure(shape: str, t: int, cfg: dict, tree_bits: bool, fused: bool = False, dtype: str = "bfloat16") -> dict:
     import triton
 
@@ -44,8 +49,7 @@ def measure(shape: str, t: int, cfg: dict, tree_bits: bool, fused: bool = False,
     split, _ = kernel.compile_split_aot(dtype, d, groups, d**-0.5, 90, kernel.SPLIT_ROWS, block_m, tree_bits,
                                         tune, aligned=True, fused=fused)
     res = kernel.ptxas_resources(split.asm["ptx"])
-    threads = 32 * tune["num_warps"]
-    per_sm = min(SM_REGISTERS // (res["registers"] * threads), SM_SHARED // max(split.metadata.shared, 1))
+    per_sm = programs_per_sm(res["registers"], tune["num_warps"], split.metadata.shared)
     return {"triton": triton.__version__, "kernel": "split", "shape": shape, "T": t, "block_m": block_m,
             "num_warps": tune["num_warps"],
             "BLOCK_N": tune.get("BLOCK_N", kernel.blocks(d, dtype, kernel.SPLIT_ROWS)["BLOCK_N"]),
@@ -64,7 +68,7 @@ def measure_path(shape: str, path_rows: int, dtype: str = "bfloat16") -> dict:
     k = kernel.compile_path_aot(dtype, d, heads // kv_heads, d**-0.5, 90, kernel.SPLIT_ROWS, True, 64, True,
                                 path_rows)
     res = kernel.ptxas_resources(k.asm["ptx"])
-    per_sm = min(SM_REGISTERS // (res["registers"] * 32 * kernel.NUM_WARPS), SM_SHARED // max(k.metadata.shared, 1))
+    per_sm = programs_per_sm(res["registers"], kernel.NUM_WARPS, k.metadata.shared)
     return {"triton": triton.__version__, "kernel": "path", "shape": shape, "path_rows": path_rows, **res,
             "shared": k.metadata.shared, "programs_per_sm": per_sm}
 
