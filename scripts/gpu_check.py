@@ -647,7 +647,8 @@ def lossless_section(run: Run) -> dict:
     archs = ARCHS if not run.args.cpu else ["llama", "qwen2_5_vl"]
     wanted = run.args.compile_archs.split(",")
     compiled = archs if wanted == ["all"] else [a for a in archs if a in wanted]
-    for backend, backend_archs in (("eager", archs), ("compile", compiled)):
+    runner = [a for a in archs if a in run.args.runner_archs.split(",")] if dev.type == "cuda" else []
+    for backend, backend_archs in (("eager", archs), ("compile", compiled), ("compile-runner", runner)):
         for arch in backend_archs:
             if run.left() < run.args.reserve:  # the timings need their time too
                 res[f"{arch}/{backend}"] = "skipped: deadline"
@@ -657,7 +658,8 @@ def lossless_section(run: Run) -> dict:
             model, processor = make_tiny(arch)
             target = glance_rt.load_target(model, device=str(dev), processor=processor)
             drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=3)
-            dec = glance_rt.Decoder(target, drafter, tree_budget=8, max_length=256, backend=backend, chunk=8)
+            kind = compile_backend("runner", 8) if backend == "compile-runner" else backend
+            dec = glance_rt.Decoder(target, drafter, tree_budget=8, max_length=256, backend=kind, chunk=8)
             vlm = arch in VLM_ARCHS
             prompts = [("Describe it.", 1 if vlm else 0, 24), ("Hi", 0, 30),
                        ("Count the objects, then name their colours.", 2 if vlm else 0, 20)]
@@ -670,9 +672,11 @@ def lossless_section(run: Run) -> dict:
                 device_rounds += out.stats.draft_passes if out.stats.timings["round"] > 0 else 0
                 graphs.append(unique_graphs())
             entry = {"tokens_equal_hf": ok, "s": round(time.perf_counter() - t, 1)}
-            if backend == "compile":
+            if backend.startswith("compile"):
                 entry["recompiles_after_first_prompt"] = graphs[-1] - graphs[0]
                 entry["device_rounds"] = device_rounds  # drafted rounds run as one graph (default on CUDA)
+            if backend == "compile-runner":  # each pass's captured graphs were replayed (not only warmed up)
+                entry["replays"] = {n: f.replays for n, f in dec.passes.fns.items()}
             res[f"{arch}/{backend}"] = entry
             print(arch, backend, entry, flush=True)
     res["all_equal_hf"] = all(e["tokens_equal_hf"] for e in res.values() if isinstance(e, dict))
@@ -747,22 +751,30 @@ def build_target(cfg: dict, dtype, device):
     return glance_rt.load_target(model, dtype=str(dtype).removeprefix("torch."), device=str(device))
 
 
-def pass_fns(run: Run, target, drafter, backend: str, budgets, numerics: str = "fast") -> dict:
+def compile_backend(cuda_graphs: str, chunk: int = 64):
+    """The compile backend whose passes replay on CUDA as `cuda_graphs` says ("runner" or "trees")."""
+    from glance_rt.round.verify import named_backend
+
+    return named_backend("compile", chunk, cuda_graphs=cuda_graphs)
+
+
+def pass_fns(run: Run, target, drafter, backend, budgets, numerics: str = "fast") -> dict:
     """name -> one call of each pass at a `--context`-row prefix, on ONE decoder (one compile of each
     graph: the AR step is its one-row verify, the step the draft gate takes): ar_step, draft,
     verify_N, round_N (the host tree between the passes) and, where the decoder runs rounds on the
-    device (compile on CUDA), device_round_N (one graph, one copy back). `numerics`: the decoder's."""
+    device (compile on CUDA), device_round_N (one graph, one copy back). `backend`: a name or a Backend;
+    `drafter` None: the AR step alone. `numerics`: the decoder's."""
     import glance_rt
     from glance_rt.round.tree import build_tree
 
     args, dev = run.args, run.device
     ctx = args.context
+    compiled = getattr(backend, "name", backend) == "compile"
     dec = glance_rt.Decoder(target, drafter, tree_budget=max(budgets), max_length=ctx + max(budgets) + 128,
                             backend=backend, lookup=0, gate=False, numerics=numerics,
-                            device_round=True if run.args.cpu and backend == "compile" else None)  # --cpu: check it
+                            device_round=run.args.cpu and drafter is not None and compiled or None)  # --cpu: check it
     pre = target.prefill_inputs({"input_ids": torch.randint(0, target.vocab_size, (1, ctx), device=dev)})
     _, feats = dec.passes.prefill(pre.embeds[None].to(target.dtype), pre.positions[None].to(dev))
-    dec.passes.draft(feats, 0, 0, ctx)  # the prompt's context, once
     last = feats[-1:]
 
     def draft():
@@ -779,6 +791,9 @@ def pass_fns(run: Run, target, drafter, backend: str, budgets, numerics: str = "
         return dec.passes.round(last, ctx - 1, 0, ctx, 0, budget, False, (0, []))
 
     root = build_tree(None, 0, 0)
+    if drafter is None:
+        return {"ar_step": lambda: verify(root)}
+    dec.passes.draft(feats, 0, 0, ctx)  # the prompt's context, once
     fns = {"ar_step": lambda: verify(root), "draft": draft}
     for b in budgets:
         tree = build_tree(draft(), 0, b)
@@ -814,8 +829,14 @@ def profile_table(run: Run, fns: dict, rows: int = 15, reps: int = 5) -> dict:
             for _ in range(reps):
                 fn()
             run.sync()
-        top = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:rows]
+        events = prof.key_averages()
+        top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:rows]
         out[name] = [{"name": e.key[:100], "calls": e.count, "total_us": round(getattr(e, key), 1)} for e in top]
+        if cuda:  # every kernel and copy on the device, per call: the wall time less this is the GPU's idle time
+            from torch.autograd import DeviceType
+
+            device_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
+            out[f"{name}_device_us_per_call"] = round(device_us / reps, 1)
     return out
 
 
@@ -876,8 +897,26 @@ def ratios(fig: dict) -> dict:
 def exact_figures(run: Run, target, drafter, budget: int) -> dict:
     """Issue 39's cost: the compiled AR step, verify and round at `budget` in exact numerics (the Triton
     matmul and path kernel on CUDA), to set beside the fast mode's."""
-    fns = pass_fns(run, target, drafter, "compile", [budget], numerics="exact")
+    fns = pass_fns(run, target, drafter, compile_backend(run.args.cuda_graphs), [budget], numerics="exact")
     return pass_figures(run, {k: fns[k] for k in ("ar_step", f"verify_{budget}", f"round_{budget}")})
+
+
+AB_S = 60  # seconds the CUDA-graphs A/B of the AR step starts with: an AR-only decoder's compile (one graph)
+
+
+def cuda_graphs_ab(run: Run, target, mode: str, ar_ms) -> dict:
+    """The AR step under each way compiled passes replay on CUDA: `mode`'s from the main figures, the other's
+    from an AR-only decoder (its one-row verify graph alone to compile), same model, same run."""
+    other = "trees" if mode == "runner" else "runner"
+    out = {mode: ar_ms}
+    try:
+        torch._dynamo.reset()
+        out[other] = 1e3 * run.timed(pass_fns(run, target, None, compile_backend(other), [1])["ar_step"])
+    except Exception as e:  # recorded: the main figures stand
+        traceback.print_exc()
+        out[other] = f"{type(e).__name__}: {e}"
+    print("AR step by CUDA graphs (ms):", out, flush=True)
+    return out
 
 
 EXACT_S = 240  # seconds exact timings start with: a compile of the passes (~200 s at the 3B on the first H200)
@@ -896,17 +935,29 @@ def model_figures(run: Run, cfg: dict, dtype, budgets, profile: bool, exact_afte
     eager = pass_fns(run, target, drafter, "eager", budgets)
     fig["eager"] = pass_figures(run, eager if run.args.eager_passes else {"ar_step": eager["ar_step"]})
     del eager
-    t = time.perf_counter()
-    fns = pass_fns(run, target, drafter, "compile", budgets)
-    fig["compile"] = pass_figures(run, fns)
+    t, mode = time.perf_counter(), run.args.cuda_graphs
+    try:
+        fns = pass_fns(run, target, drafter, compile_backend(mode), budgets)
+        fig["compile"] = pass_figures(run, fns)
+    except Exception as e:  # the runner's first GPU runs: its error is a finding, and the trees' figures still come
+        if mode == "trees" or run.device.type != "cuda":
+            raise
+        traceback.print_exc()
+        fig["runner_error"], mode = f"{type(e).__name__}: {e}", "trees"
+        torch._dynamo.reset()
+        fns = pass_fns(run, target, drafter, compile_backend(mode), budgets)
+        fig["compile"] = pass_figures(run, fns)
+    fig["cuda_graphs"] = mode
     fig["compile"]["wall_s"] = round(time.perf_counter() - t, 1)
-    print("compile", json.dumps(fig["compile"]), flush=True)
+    print("compile", mode, json.dumps(fig["compile"]), flush=True)
     if profile and run.left() > run.args.floor:
         b = 64 if 64 in budgets else max(budgets)
         keys = ("ar_step", "draft", f"verify_{b}", f"round_{b}", f"device_round_{b}")
         fig["profile"] = profile_table(run, {k: fns[k] for k in keys if k in fns})
     del fns
     fig["hf_static"] = hf_step(run, target) if run.left() > run.args.floor else "skipped: deadline"
+    if run.left() > run.args.floor + AB_S:  # (--cpu: both are plain compiled passes; checks the code)
+        fig["ar_step_ms_by_cuda_graphs"] = cuda_graphs_ab(run, target, mode, fig["compile"].get("ar_step_ms"))
     if exact_after is not None and run.left() > exact_after + EXACT_S:
         torch._dynamo.reset()
         fig["compile_exact"] = exact_figures(run, target, drafter, 64 if 64 in budgets else max(budgets))
@@ -1161,6 +1212,10 @@ def summary(report: dict) -> None:
         hf = f"{hf['step_ms']:.2f} ms" if isinstance(hf, dict) else hf
         print(f"{name:14} AR bandwidth bound {fig['ar_bandwidth_bound_ms']:.2f} ms | HF static step {hf}")
         print(f"{name:14} ratios: " + "  ".join(f"{k} {v:.2f}" for k, v in fig.get("ratios", {}).items()))
+        if "cuda_graphs" in fig:
+            print(f"{name:14} compiled passes replayed by: {fig['cuda_graphs']}"
+                  + (f" (the runner failed: {fig['runner_error']})" if "runner_error" in fig else "")
+                  + f" | AR step ms by CUDA graphs: {fig.get('ar_step_ms_by_cuda_graphs', 'not timed')}")
     for dtype, fig in report.get("real", {}).items():
         if isinstance(fig, dict):
             print(f"real {dtype}: tok/s {fig['tok_s']} | tau {fig['tau']} | == {fig['reference']}: "
@@ -1183,6 +1238,10 @@ def parse_args(argv=None):
     ap.add_argument("--model-floor", type=float, default=120, help="seconds a model's timings need (else skipped)")
     ap.add_argument("--compile-archs", default="llama",
                     help="tiny architectures the lossless sweep also runs compiled ('all': every one)")
+    ap.add_argument("--runner-archs", default="llama",
+                    help="tiny architectures the lossless sweep also runs compiled through the CUDA-graph runner")
+    ap.add_argument("--cuda-graphs", default="runner", choices=["runner", "trees"],
+                    help="timings: how the compiled passes replay (the other one times the AR step beside)")
     ap.add_argument("--numerics-archs", default="qwen2_5_vl",
                     help="numerics: tiny architectures (issue 39 saw bf16 differences on qwen2_5_vl and qwen2_vl)")
     ap.add_argument("--numerics-backend", default="eager", choices=["eager", "compile"],

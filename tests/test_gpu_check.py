@@ -154,6 +154,9 @@ def test_cpu_run_of_every_section(tmp_path):
     assert {"device_round_4_ms", "device_round_8_ms"} <= set(toy["compile"])  # --cpu runs the device rounds too
     assert {"ar_step", "draft", "verify_8", "round_8"} <= set(toy["profile"]) and toy["profile"]["draft"]
     assert toy["hf_static"]["step_ms"] > 0 and "hf_static/ar_step" in toy["ratios"]
+    ab = toy["ar_step_ms_by_cuda_graphs"]  # on CPU both are plain compiled passes (the code checked)
+    assert toy["cuda_graphs"] == "runner" and set(ab) == {"runner", "trees"}
+    assert all(isinstance(v, float) for v in ab.values())
     assert {"ar_step_ms", "verify_8_ms", "round_8_ms"} <= set(toy["compile_exact"])  # issue 39's cost, at the
     assert "exact/fast round_8" in toy["ratios"]  # largest budget timed
     assert r["batch"]["batch_8"]["tok_s"] > 0 and "speedup" in r["batch"] and "same_tokens" in r["batch"]

@@ -15,6 +15,7 @@ built from passes and nothing is replaced after construction. `round_modules` bu
 passes run (and engine builders trace) without a Decoder.
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from glance_rt.round.commit import accept, accept_path, compact, entropies
 from glance_rt.round.device_tree import build_tree_device, lookup_tensors
 from glance_rt.round.draft import DraftPass
 from glance_rt.round.eagle3 import Eagle3Pass
+from glance_rt.round.graphs import GraphRunner
 from glance_rt.round.passcheck import checked_plans
 from glance_rt.round.tree import max_depth
 
@@ -430,23 +432,37 @@ class StaticPasses:
         return [logits[slot] for slot, _ in calls]
 
 
-def compiled_fns(graphs: StaticGraphs) -> dict:
+def compiled_fns(graphs: StaticGraphs, cuda_graphs: str = "trees") -> dict:
     """The round's graphs (verify, draft, context, and a drafted round whole: `round`) under
     torch.compile(fullgraph=True, dynamic=False): one compiled frame per graph and shape (a verify per
     tree-budget bucket; a round graph per drafted budget, compiled only where a Decoder runs rounds on
-    the device). On CUDA,
-    "reduce-overhead" replays each as a CUDA graph: the caches are module buffers (static addresses),
-    the small inputs are copied in. The prompt's prefill runs once per prompt: it stays an eager
-    exact-length pass (one GEMM over the whole prompt beats padded chunks that attend over every
-    cache row; time to first token in docs/engines.md); engines, which have no
-    eager model to fall back on, run it as chunks."""
-    mode = "reduce-overhead" if graphs.verifier.embed_tokens.weight.is_cuda else None
+    the device). On CUDA each replays as a CUDA graph: the caches are module buffers (static addresses),
+    the small inputs are copied in. `cuda_graphs`: "trees" (torch.compile's "reduce-overhead": Dynamo's
+    guards and the trees' bookkeeping run at every call) or "runner" (`glance_rt.round.graphs.GraphRunner`:
+    guards run once, at capture; each call copies its inputs and launches one graph). The prompt's
+    prefill runs once per prompt: it stays an eager exact-length pass (one GEMM over the whole prompt
+    beats padded chunks that attend over every cache row; time to first token in docs/engines.md);
+    engines, which have no eager model to fall back on, run it as chunks."""
+    if cuda_graphs not in CUDA_GRAPHS:
+        raise GlanceError(f"unknown cuda_graphs {cuda_graphs!r}: choose one of {', '.join(CUDA_GRAPHS)}")
+    cuda = graphs.verifier.embed_tokens.weight.is_cuda
+    mode = "reduce-overhead" if cuda and cuda_graphs == "trees" else None
+    fns = {n: torch.compile(getattr(graphs, n), fullgraph=True, dynamic=False, mode=mode)
+           for n in graph_names(graphs)}
+    if cuda and cuda_graphs == "runner":
+        fns = {n: GraphRunner(fn) for n, fn in fns.items()}
+    return fns
+
+
+def graph_names(graphs: StaticGraphs) -> tuple[str, ...]:
+    """The StaticGraphs methods a decoder over `graphs` runs as fixed-shape graphs (the prompt's prefill
+    aside: it runs eagerly, `compiled_fns`)."""
     names = (*GRAPHS[1:], "round") if graphs.draft_pass is not None else GRAPHS[1:2]
     if isinstance(graphs.draft_pass, Eagle3Pass):  # EAGLE-3: its context and depth passes (the tree on the host)
         names = ("verify", *EAGLE3_GRAPHS)
     if graphs.verifier.cache.slots > 1:  # batched rounds: a graph per (slots, rows) bucket, compiled as they come
         names = (*names, "verify_batch", *(("draft_batch",) if graphs.draft_pass is not None else ()))
-    return {n: torch.compile(getattr(graphs, n), fullgraph=True, dynamic=False, mode=mode) for n in names}
+    return names
 
 
 def static_shapes(graphs: StaticGraphs, chunk: int, exact_prefill: bool = False) -> StaticShapes:
@@ -632,13 +648,15 @@ def by_rows(graphs: dict, kind: str = "verify", dims: int = 1):
 
 
 BACKENDS = ("eager", "compile")
+CUDA_GRAPHS = ("trees", "runner")  # how compiled passes replay on CUDA (compiled_fns)
 
 
-def named_backend(name: str, chunk: int = 64) -> Backend:
-    """The built-in backends: "eager" (the reference) and "compile" (torch.compile)."""
+def named_backend(name: str, chunk: int = 64, cuda_graphs: str = "trees") -> Backend:
+    """The built-in backends: "eager" (the reference) and "compile" (torch.compile; `cuda_graphs`: how
+    its passes replay on CUDA, `compiled_fns`)."""
     if name == "eager":
         return Backend("eager", EagerPasses)
     if name == "compile":
-        return Backend("compile", static_passes(compiled_fns, chunk))
+        return Backend("compile", static_passes(functools.partial(compiled_fns, cuda_graphs=cuda_graphs), chunk))
     raise GlanceError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)} "
                       "(built engines load with Decoder.from_engine)")
