@@ -647,8 +647,7 @@ def lossless_section(run: Run) -> dict:
     archs = ARCHS if not run.args.cpu else ["llama", "qwen2_5_vl"]
     wanted = run.args.compile_archs.split(",")
     compiled = archs if wanted == ["all"] else [a for a in archs if a in wanted]
-    runner = [a for a in archs if a in run.args.runner_archs.split(",")] if dev.type == "cuda" else []
-    for backend, backend_archs in (("eager", archs), ("compile", compiled), ("compile-runner", runner)):
+    for backend, backend_archs in (("eager", archs), ("compile", compiled)):
         for arch in backend_archs:
             if run.left() < run.args.reserve:  # the timings need their time too
                 res[f"{arch}/{backend}"] = "skipped: deadline"
@@ -658,7 +657,7 @@ def lossless_section(run: Run) -> dict:
             model, processor = make_tiny(arch)
             target = glance_rt.load_target(model, device=str(dev), processor=processor)
             drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=3)
-            kind = compile_backend("runner", 8) if backend == "compile-runner" else backend
+            kind = compile_backend(run.args.cuda_graphs, 8) if backend == "compile" else backend
             dec = glance_rt.Decoder(target, drafter, tree_budget=8, max_length=256, backend=kind, chunk=8)
             vlm = arch in VLM_ARCHS
             prompts = [("Describe it.", 1 if vlm else 0, 24), ("Hi", 0, 30),
@@ -672,11 +671,12 @@ def lossless_section(run: Run) -> dict:
                 device_rounds += out.stats.draft_passes if out.stats.timings["round"] > 0 else 0
                 graphs.append(unique_graphs())
             entry = {"tokens_equal_hf": ok, "s": round(time.perf_counter() - t, 1)}
-            if backend.startswith("compile"):
+            if backend == "compile":
                 entry["recompiles_after_first_prompt"] = graphs[-1] - graphs[0]
                 entry["device_rounds"] = device_rounds  # drafted rounds run as one graph (default on CUDA)
-            if backend == "compile-runner":  # each pass's captured graphs were replayed (not only warmed up)
-                entry["replays"] = {n: f.replays for n, f in dec.passes.fns.items()}
+                entry["cuda_graphs"] = run.args.cuda_graphs
+                if dev.type == "cuda" and run.args.cuda_graphs == "runner":  # captured graphs were replayed
+                    entry["replays"] = {n: f.replays for n, f in dec.passes.fns.items()}
             res[f"{arch}/{backend}"] = entry
             print(arch, backend, entry, flush=True)
     res["all_equal_hf"] = all(e["tokens_equal_hf"] for e in res.values() if isinstance(e, dict))
@@ -1238,10 +1238,9 @@ def parse_args(argv=None):
     ap.add_argument("--model-floor", type=float, default=120, help="seconds a model's timings need (else skipped)")
     ap.add_argument("--compile-archs", default="llama",
                     help="tiny architectures the lossless sweep also runs compiled ('all': every one)")
-    ap.add_argument("--runner-archs", default="llama",
-                    help="tiny architectures the lossless sweep also runs compiled through the CUDA-graph runner")
     ap.add_argument("--cuda-graphs", default="runner", choices=["runner", "trees"],
-                    help="timings: how the compiled passes replay (the other one times the AR step beside)")
+                    help="lossless and timings: how compiled passes replay (the timings time the AR step with the "
+                         "other one beside; gpu_tests check both)")
     ap.add_argument("--numerics-archs", default="qwen2_5_vl",
                     help="numerics: tiny architectures (issue 39 saw bf16 differences on qwen2_5_vl and qwen2_vl)")
     ap.add_argument("--numerics-backend", default="eager", choices=["eager", "compile"],

@@ -2,8 +2,8 @@
 warm-up, capture, replay), so a decoding step costs the host a few copies and one graph launch.
 
 Why not only torch.compile's "reduce-overhead" (CUDA graph trees): each call of a compiled pass still
-evaluates Dynamo's guards (one per weight and module attribute: ~0.55 ms a call for a 36-layer model on
-the 2-core EPYC here, ~15 us a layer) and the trees' bookkeeping before the replay, while the GPU waits. On
+evaluates Dynamo's guards (one per weight and module attribute: 0.6 ms a call for a 36-layer model on
+the 2-core EPYC here, `scripts/guard_cost.py`) and the trees' bookkeeping before the replay, while the GPU waits. On
 the H200 (2026-12-04) every pass of Qwen2.5-VL-3B's shapes spent ~1.4 ms of wall time outside its
 kernels (the AR step: 4.76 ms, 3.39 of them kernels). A runner evaluates guards once, at capture. How much
 of the 1.4 ms it removes is for the GPU check to measure (`scripts/gpu_check.py`, `--cuda-graphs`).
