@@ -2,7 +2,7 @@
 call's side effects once, outputs in fixed tensors that the pass's next replay overwrites. Here on CPU
 the capture step is a stand-in with CUDA's contract (nothing runs at capture; each replay recomputes into
 the same output tensors), so a decoder reading an output after its pass ran again gets other values and
-fails the token checks. The real capture runs in the gpu-marked test."""
+fails the token checks. The real capture runs in a gpu-marked test (test_passes.py)."""
 
 import pytest
 import torch
@@ -146,22 +146,3 @@ def test_unknown_cuda_graphs_mode_is_refused():
     with pytest.raises(glance_rt.GlanceError, match="cuda_graphs"):
         glance_rt.Decoder(target, None, max_length=64, backend=named_backend("compile", 8, cuda_graphs="tree"))
 
-
-@pytest.mark.gpu
-def test_cuda_graph_runner_matches_hf():
-    """On CUDA, compiled passes through GraphRunners (cuda_graphs="runner"): fp32 tokens == HF greedy over
-    generations that replay the captured graphs: device rounds and the gate's one-row steps."""
-    torch._dynamo.reset()
-    from tests.tiny_models import make_tiny
-
-    model, processor = make_tiny("llama")
-    target = glance_rt.load_target(model, processor=processor, device="cuda")
-    inputs = {k: v.to("cuda") for k, v in make_inputs("llama", processor).items()}
-    ref = hf_greedy(target.hf_model, inputs, NEW)
-    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=3)
-    dec = glance_rt.Decoder(target, drafter, tree_budget=8, max_length=256, chunk=8,
-                            backend=named_backend("compile", 8, cuda_graphs="runner"))
-    assert dec.device_round
-    for _ in range(2):
-        assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == ref
-    assert dec.passes.fns["round"].replays > 0

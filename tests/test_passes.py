@@ -8,7 +8,7 @@ import torch
 import glance_rt
 from glance_rt.models.kernels import KernelTuner
 from glance_rt.models.linear import can_pack
-from glance_rt.round.verify import GRAPHS, Backend, static_passes
+from glance_rt.round.verify import GRAPHS, Backend, named_backend, static_passes
 from tests.conftest import OracleDrafter, hf_greedy, tiny_target
 from tests.tiny_models import ARCHS, VLM_ARCHS, make_inputs
 
@@ -206,8 +206,10 @@ def test_compile_backend_autoregression():
 
 
 @pytest.mark.gpu
-def test_compile_backend_cuda_graphs_match_hf():
-    """On CUDA the compiled passes replay as CUDA graphs ("reduce-overhead"); fp32 tokens == HF."""
+@pytest.mark.parametrize("cuda_graphs", ["trees", "runner"])
+def test_compile_backend_cuda_graphs_match_hf(cuda_graphs):
+    """On CUDA the compiled passes replay as CUDA graphs (torch.compile's trees, or a GraphRunner per
+    pass); fp32 tokens == HF over generations that replay the captured graphs."""
     torch._dynamo.reset()
     from tests.tiny_models import make_tiny
 
@@ -216,11 +218,14 @@ def test_compile_backend_cuda_graphs_match_hf():
     inputs = {k: v.to("cuda") for k, v in make_inputs("llama", processor).items()}
     ref = hf_greedy(target.hf_model, inputs, NEW)
     drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=3)
-    dec = glance_rt.Decoder(target, drafter, tree_budget=8, max_length=256, backend="compile", chunk=8)
+    dec = glance_rt.Decoder(target, drafter, tree_budget=8, max_length=256, chunk=8,
+                            backend=named_backend("compile", 8, cuda_graphs=cuda_graphs))
     assert dec.device_round  # CUDA: drafted rounds run as one graph
     for _ in range(2):  # the second run replays the captured graphs
         res = dec.generate(max_new_tokens=NEW, **inputs)
         assert res.token_ids == ref and res.stats.timings["round"] > 0
+    if cuda_graphs == "runner":
+        assert dec.passes.fns["round"].replays > 0
 
 
 def test_warmup_compiles_every_bucket_up_front():
