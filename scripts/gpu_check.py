@@ -762,8 +762,8 @@ def pass_fns(run: Run, target, drafter, backend, budgets, numerics: str = "fast"
     """name -> one call of each pass at a `--context`-row prefix, on ONE decoder (one compile of each
     graph: the AR step is its one-row verify, the step the draft gate takes): ar_step, draft,
     verify_N, round_N (the host tree between the passes) and, where the decoder runs rounds on the
-    device (compile on CUDA), device_round_N (one graph, one copy back). `backend`: a name or a Backend;
-    `drafter` None: the AR step alone. `numerics`: the decoder's."""
+    device (compile on CUDA), device_round_N (one graph, one copy back). `backend`: a name or a Backend.
+    Graphs compile at their first call. `numerics`: the decoder's."""
     import glance_rt
     from glance_rt.round.tree import build_tree
 
@@ -772,9 +772,10 @@ def pass_fns(run: Run, target, drafter, backend, budgets, numerics: str = "fast"
     compiled = getattr(backend, "name", backend) == "compile"
     dec = glance_rt.Decoder(target, drafter, tree_budget=max(budgets), max_length=ctx + max(budgets) + 128,
                             backend=backend, lookup=0, gate=False, numerics=numerics,
-                            device_round=run.args.cpu and drafter is not None and compiled or None)  # --cpu: check it
+                            device_round=True if run.args.cpu and compiled else None)  # --cpu: check it
     pre = target.prefill_inputs({"input_ids": torch.randint(0, target.vocab_size, (1, ctx), device=dev)})
     _, feats = dec.passes.prefill(pre.embeds[None].to(target.dtype), pre.positions[None].to(dev))
+    dec.passes.draft(feats, 0, 0, ctx)  # the prompt's context, once
     last = feats[-1:]
 
     def draft():
@@ -791,9 +792,6 @@ def pass_fns(run: Run, target, drafter, backend, budgets, numerics: str = "fast"
         return dec.passes.round(last, ctx - 1, 0, ctx, 0, budget, False, (0, []))
 
     root = build_tree(None, 0, 0)
-    if drafter is None:
-        return {"ar_step": lambda: verify(root)}
-    dec.passes.draft(feats, 0, 0, ctx)  # the prompt's context, once
     fns = {"ar_step": lambda: verify(root), "draft": draft}
     for b in budgets:
         tree = build_tree(draft(), 0, b)
@@ -901,17 +899,18 @@ def exact_figures(run: Run, target, drafter, budget: int) -> dict:
     return pass_figures(run, {k: fns[k] for k in ("ar_step", f"verify_{budget}", f"round_{budget}")})
 
 
-AB_S = 60  # seconds the CUDA-graphs A/B of the AR step starts with: an AR-only decoder's compile (one graph)
+AB_S = 60  # seconds the CUDA-graphs A/B of the AR step starts with: compiles of the one-row verify and the draft
 
 
-def cuda_graphs_ab(run: Run, target, mode: str, ar_ms) -> dict:
+def cuda_graphs_ab(run: Run, target, drafter, mode: str, ar_ms) -> dict:
     """The AR step under each way compiled passes replay on CUDA: `mode`'s from the main figures, the other's
-    from an AR-only decoder (its one-row verify graph alone to compile), same model, same run."""
+    from the same decoder built again (graphs compile at their first call: the one-row verify, and the
+    draft pass that takes the prompt's context), same model, same run."""
     other = "trees" if mode == "runner" else "runner"
     out = {mode: ar_ms}
     try:
         torch._dynamo.reset()
-        out[other] = 1e3 * run.timed(pass_fns(run, target, None, compile_backend(other), [1])["ar_step"])
+        out[other] = 1e3 * run.timed(pass_fns(run, target, drafter, compile_backend(other), [1])["ar_step"])
     except Exception as e:  # recorded: the main figures stand
         traceback.print_exc()
         out[other] = f"{type(e).__name__}: {e}"
@@ -957,7 +956,7 @@ def model_figures(run: Run, cfg: dict, dtype, budgets, profile: bool, exact_afte
     del fns
     fig["hf_static"] = hf_step(run, target) if run.left() > run.args.floor else "skipped: deadline"
     if run.left() > run.args.floor + AB_S:  # (--cpu: both are plain compiled passes; checks the code)
-        fig["ar_step_ms_by_cuda_graphs"] = cuda_graphs_ab(run, target, mode, fig["compile"].get("ar_step_ms"))
+        fig["ar_step_ms_by_cuda_graphs"] = cuda_graphs_ab(run, target, drafter, mode, fig["compile"].get("ar_step_ms"))
     if exact_after is not None and run.left() > exact_after + EXACT_S:
         torch._dynamo.reset()
         fig["compile_exact"] = exact_figures(run, target, drafter, 64 if 64 in budgets else max(budgets))
