@@ -2,11 +2,11 @@
 warm-up, capture, replay), so a decoding step costs the host a few copies and one graph launch.
 
 Why not only torch.compile's "reduce-overhead" (CUDA graph trees): each call of a compiled pass still
-evaluates Dynamo's guards (one per weight and module attribute: 0.6 ms a call for a 36-layer model on
-the 2-core EPYC here, `scripts/guard_cost.py`) and the trees' bookkeeping before the replay, while the GPU waits. On
-the H200 (2026-12-04) every pass of Qwen2.5-VL-3B's shapes spent ~1.4 ms of wall time outside its
-kernels (the AR step: 4.76 ms, 3.39 of them kernels). A runner evaluates guards once, at capture. How much
-of the 1.4 ms it removes is for the GPU check to measure (`scripts/gpu_check.py`, `--cuda-graphs`).
+evaluates Dynamo's guards (one per weight, buffer and module attribute: a cost that grows with the
+layers, `scripts/guard_cost.py`) and the trees' bookkeeping before the replay, while the GPU waits. A
+runner evaluates guards once, at capture. The measurements, and the idle time they may explain on an
+H200, are in docs/engines.md ("CUDA graphs: torch.compile's trees, or a runner"); the GPU check
+measures the difference (`scripts/gpu_check.py --cuda-graphs`).
 
 `GraphRunner(fn)` wraps one compiled pass. Per input signature (each tensor's shape, strides, dtype,
 device and autograd flags; every other argument's value; the grad and inference modes):
