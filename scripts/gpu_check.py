@@ -662,18 +662,20 @@ def lossless_section(run: Run) -> dict:
             vlm = arch in VLM_ARCHS
             prompts = [("Describe it.", 1 if vlm else 0, 24), ("Hi", 0, 30),
                        ("Count the objects, then name their colours.", 2 if vlm else 0, 20)]
-            ok, graphs, device_rounds = True, [], 0
+            ok, graphs, device_rounds, device_steps = True, [], 0, 0
             for prompt, n_images, new in prompts:
                 inputs = make_inputs(arch, processor, prompt=prompt, n_images=n_images, seed=new)
                 inputs = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
                 out = dec.generate(max_new_tokens=new, **inputs)
                 ok &= out.token_ids == hf_greedy(model, inputs, new)
                 device_rounds += out.stats.draft_passes if out.stats.timings["round"] > 0 else 0
+                device_steps += out.stats.budgets.count(0) if dec.device_round else 0  # the gate's AR steps
                 graphs.append(unique_graphs())
             entry = {"tokens_equal_hf": ok, "s": round(time.perf_counter() - t, 1)}
             if backend == "compile":
                 entry["recompiles_after_first_prompt"] = graphs[-1] - graphs[0]
                 entry["device_rounds"] = device_rounds  # drafted rounds run as one graph (default on CUDA)
+                entry["device_steps"] = device_steps  # and AR steps
                 entry["cuda_graphs"] = run.args.cuda_graphs
                 if dev.type == "cuda" and run.args.cuda_graphs == "runner":  # captured graphs were replayed
                     entry["replays"] = {n: f.replays for n, f in dec.passes.fns.items()}
@@ -762,7 +764,7 @@ def pass_fns(run: Run, target, drafter, backend, budgets, numerics: str = "fast"
     """name -> one call of each pass at a `--context`-row prefix, on ONE decoder (one compile of each
     graph: the AR step is its one-row verify, the step the draft gate takes): ar_step, draft,
     verify_N, round_N (the host tree between the passes) and, where the decoder runs rounds on the
-    device (compile on CUDA), device_round_N (one graph, one copy back). `backend`: a name or a Backend.
+    device (compile on CUDA), device_step and device_round_N (one graph, one copy back). `backend`: a name or a Backend.
     Graphs compile at their first call. `numerics`: the decoder's."""
     import glance_rt
     from glance_rt.round.tree import build_tree
@@ -793,6 +795,8 @@ def pass_fns(run: Run, target, drafter, backend, budgets, numerics: str = "fast"
 
     root = build_tree(None, 0, 0)
     fns = {"ar_step": lambda: verify(root), "draft": draft}
+    if dec.device_round:  # the AR step a decoder runs on the device: one graph, one copy in, one back
+        fns["device_step"] = lambda: dec.passes.step(0, ctx, 0)
     for b in budgets:
         tree = build_tree(draft(), 0, b)
         fns[f"verify_{b}"] = lambda tree=tree: verify(tree)
@@ -873,16 +877,19 @@ def bandwidth_bound_ms(target, context: int, dtype) -> float:
 
 
 def ratios(fig: dict) -> dict:
-    """ar_step / bound, hf_static / ar_step, verify_N / ar_step, round_N and device_round_N / ar_step
+    """ar_step and device_step / bound, hf_static / each, verify_N, round_N and device_round_N / ar_step
     (compiled)."""
     c = fig.get("compile", {})
     ar = c.get("ar_step_ms")
     if not isinstance(ar, float):
         return {}
-    out = {"ar_step/bound": ar / fig["ar_bandwidth_bound_ms"]}
     hf = fig.get("hf_static", {}).get("step_ms") if isinstance(fig.get("hf_static"), dict) else None
-    if hf:
-        out["hf_static/ar_step"] = hf / ar
+    out = {}
+    for step in ("ar_step", "device_step"):
+        if isinstance(c.get(f"{step}_ms"), float):
+            out[f"{step}/bound"] = c[f"{step}_ms"] / fig["ar_bandwidth_bound_ms"]
+            if hf:
+                out[f"hf_static/{step}"] = hf / c[f"{step}_ms"]
     for k, v in c.items():
         if k.startswith(("verify_", "round_", "device_round_")) and isinstance(v, float):
             out[f"{k.removesuffix('_ms')}/ar_step"] = v / ar
@@ -951,7 +958,7 @@ def model_figures(run: Run, cfg: dict, dtype, budgets, profile: bool, exact_afte
     print("compile", mode, json.dumps(fig["compile"]), flush=True)
     if profile and run.left() > run.args.floor:
         b = 64 if 64 in budgets else max(budgets)
-        keys = ("ar_step", "draft", f"verify_{b}", f"round_{b}", f"device_round_{b}")
+        keys = ("ar_step", "device_step", "draft", f"verify_{b}", f"round_{b}", f"device_round_{b}")
         fig["profile"] = profile_table(run, {k: fns[k] for k in keys if k in fns})
     del fns
     fig["hf_static"] = hf_step(run, target) if run.left() > run.args.floor else "skipped: deadline"

@@ -353,7 +353,8 @@ def test_cli_audit_exact_in_bf16_checks_against_the_exact_ar(tmp_path):
 def test_compiled_exact_glance_is_its_compiled_ar_and_never_recompiles(arch):
     """backend="compile" with exact numerics (attention gathered to the cache's fixed length): GLANCE in
     bf16 commits the compiled exact AR's tokens, greedy and sampled, trees and lookup, rounds on the
-    device too (one graph per drafted round); new prompts add no graph."""
+    device too (one graph per drafted round, and AR steps as the one-row `step` graph); new prompts add no
+    graph."""
     from tests.test_passes import unique_graphs
 
     torch._dynamo.reset()
@@ -363,6 +364,7 @@ def test_compiled_exact_glance_is_its_compiled_ar_and_never_recompiles(arch):
     ar = glance_rt.Decoder(target, None, **kw)
     decs = [glance_rt.Decoder(target, drafter, gate=False, **kw, **cfg) for cfg in CONFIGS[:3]]
     decs.append(glance_rt.Decoder(target, drafter, gate=False, tree_budget=8, lookup=0, device_round=True, **kw))
+    decs.append(glance_rt.Decoder(target, None, device_round=True, **kw))  # its steps: the one-row graph `step`
     for dec in (ar, *decs):
         dec.warmup()  # every graph compiled up front
     warm = unique_graphs()

@@ -100,7 +100,7 @@ def runner_decoder(target, drafter, chunk: int, **kw):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
-@pytest.mark.parametrize("mode", ["ar", "tree", "chain", "device-round"])
+@pytest.mark.parametrize("mode", ["ar", "tree", "chain", "device-round", "device-step"])
 def test_decoding_through_fixed_output_graphs_is_lossless(arch, mode):
     """Every pass's outputs live in fixed tensors that its next call overwrites (as a CUDA graph's do): the
     loop never reads one after that, so the tokens are HF greedy's, over two generations (the second all
@@ -108,15 +108,19 @@ def test_decoding_through_fixed_output_graphs_is_lossless(arch, mode):
     target, model, processor = tiny_target(arch)
     inputs = make_inputs(arch, processor, n_images=1 if arch in VLM_ARCHS else 0)
     ref = hf_greedy(model, inputs, NEW)
-    drafter = None if mode == "ar" else glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=3)
+    ar = mode in ("ar", "device-step")
+    drafter = None if ar else glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=3)
     kw = {"chain": True} if mode == "chain" else {"tree_budget": 8}
     dec = runner_decoder(target, drafter, chunk=8, max_length=256, gate=False,
-                         device_round=True if mode == "device-round" else None, **kw)
+                         device_round=True if mode.startswith("device") else None, **kw)
     for _ in range(2):
         assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == ref
     replays = {n: f.replays for n, f in dec.passes.fns.items()}
-    assert replays["prefill"] > 0 and replays["round" if mode == "device-round" else "verify"] > 0
-    assert (replays.get("round", 0) > 0) == (mode == "device-round")
+    graph = {"device-round": "round", "device-step": "step"}.get(mode, "verify")
+    assert replays["prefill"] > 0 and replays[graph] > 0
+    assert all((replays.get(n, 0) > 0) == (n == graph) for n in ("round", "step"))
+    if mode == "device-step":  # every step ran as the step graph
+        assert replays["verify"] == 0
 
 
 def test_batches_and_eagle3_through_fixed_output_graphs_are_lossless():

@@ -30,7 +30,7 @@ def static_decoder(target, drafter, chunk: int, oracle=None, spy=None, fuse=None
             return out if oracle is None else oracle(None, 0, int(bonus), int(block_start))
 
         graphs.draft = wrapped
-        return {n: getattr(graphs, n) for n in (*GRAPHS, "round")}
+        return {n: getattr(graphs, n) for n in (*GRAPHS, "round", "step")}
 
     return glance_rt.Decoder(target, drafter, backend=Backend("static", static_passes(fns, chunk), fuse=fuse), **kw)
 
@@ -220,12 +220,14 @@ def test_compile_backend_cuda_graphs_match_hf(cuda_graphs):
     drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=3)
     dec = glance_rt.Decoder(target, drafter, tree_budget=8, max_length=256, chunk=8,
                             backend=named_backend("compile", 8, cuda_graphs=cuda_graphs))
-    assert dec.device_round  # CUDA: drafted rounds run as one graph
+    ar = glance_rt.Decoder(target, None, max_length=256, chunk=8, backend=named_backend("compile", 8, cuda_graphs))
+    assert dec.device_round and ar.device_round  # CUDA: drafted rounds and AR steps run as one graph each
     for _ in range(2):  # the second run replays the captured graphs
         res = dec.generate(max_new_tokens=NEW, **inputs)
         assert res.token_ids == ref and res.stats.timings["round"] > 0
+        assert ar.generate(max_new_tokens=NEW, **inputs).token_ids == ref
     if cuda_graphs == "runner":
-        assert dec.passes.fns["round"].replays > 0
+        assert dec.passes.fns["round"].replays > 0 and ar.passes.fns["step"].replays > 0
 
 
 def test_warmup_compiles_every_bucket_up_front():
@@ -279,39 +281,70 @@ def test_device_rounds_equal_host_rounds(arch, mode):
         assert max(device.accepted_lengths) == 4  # whole blocks accepted (decoys: scattered rows compacted)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_device_steps_equal_host_steps(arch):
+    """An autoregressive step as one graph (the one-row verify, argmax and entropy in it; one copy in, one
+    back) commits what the host's step commits, step for step: HF greedy's tokens, the same entropies,
+    and no host tree."""
+    target, _, inputs, ref = case(arch)
+    runs = {}
+    for device_round in (False, True):
+        res = runs[device_round] = static_decoder(target, None, chunk=5, max_length=256,
+                                                  device_round=device_round).generate(max_new_tokens=NEW, **inputs)
+        assert res.token_ids == ref and res.stats.budgets == [0] * (NEW - 1)
+        assert (res.stats.timings["tree"] > 0) != device_round and res.stats.timings["round"] == 0
+    host, device = runs[False].stats, runs[True].stats
+    assert device.root_entropy == pytest.approx(host.root_entropy, rel=1e-5)
+    assert device.prior_entropy == pytest.approx(host.prior_entropy, rel=1e-5)
+
+
 def test_device_rounds_beside_the_gates_steps():
-    """Both kinds of round in one generation: the gate's autoregressive steps stay on the host (their
-    pending context rows reach the next device round's draft), drafted rounds run on the device; the
-    output is HF greedy's."""
+    """Both kinds of round in one generation, each one graph on the device: the gate's autoregressive steps
+    (their context rows stay pending for the next drafted round's draft) and drafted rounds; the output is
+    HF greedy's, and the rounds are the host's."""
     target, _, inputs, ref = case("llama")
     drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=2)
-    dec = static_decoder(target, drafter, chunk=5, max_length=256, device_round=True)
-    res = dec.generate(max_new_tokens=NEW, **inputs)
-    assert res.token_ids == ref and res.stats.timings["round"] > 0
-    assert 0 < res.stats.draft_passes < res.stats.rounds  # some rounds were the gate's one-row steps
+    runs = {}
+    for device_round in (False, True):
+        dec = static_decoder(target, drafter, chunk=5, max_length=256, lookup=0, device_round=device_round)
+        res = runs[device_round] = dec.generate(max_new_tokens=NEW, **inputs)
+        assert res.token_ids == ref
+        assert 0 < res.stats.draft_passes < res.stats.rounds  # some rounds were the gate's one-row steps
+        assert (res.stats.timings["tree"] > 0) != device_round
+    host, device = runs[False].stats, runs[True].stats
+    assert (device.accepted_lengths, device.budgets) == (host.accepted_lengths, host.budgets)
 
 
-def test_device_round_needs_static_passes_and_a_drafter():
+def test_device_round_needs_static_passes_and_a_glance_drafter_or_none():
+    from tests.test_eagle3_decode import eagle3
+
     target, _, _ = tiny_target("llama")
     drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=2)
-    for kw in ({"backend": "eager"}, {"backend": "compile", "drafter": None}):
+    for kw in ({"backend": "eager"}, {"backend": "eager", "drafter": None}, {"drafter": eagle3(target)}):
         with pytest.raises(glance_rt.GlanceError, match="device_round"):
-            glance_rt.Decoder(target, kw.pop("drafter", drafter), max_length=128, device_round=True, **kw)
+            glance_rt.Decoder(target, kw.pop("drafter", drafter), max_length=128, device_round=True,
+                              **{"backend": "compile", **kw})
+    assert glance_rt.Decoder(target, None, max_length=128, backend="compile", device_round=True).device_round
     assert not glance_rt.Decoder(target, drafter, max_length=128, backend="compile").device_round  # a CPU: host trees
+    assert not glance_rt.Decoder(target, None, max_length=128, backend="compile").device_round
 
 
-def test_compile_device_rounds_never_recompile():
-    """The round graph compiled (fullgraph, one per drafted budget, built by warmup): new prompts add no
-    graph, and the tokens are HF greedy's."""
+@pytest.mark.parametrize("drafted", [True, False])
+def test_compile_device_rounds_never_recompile(drafted):
+    """The round graph (one per drafted budget) and the step graph compiled (fullgraph, built by warmup): new
+    prompts add no graph, and the tokens are HF greedy's; the gate's steps and an AR decoder's run as steps."""
     torch._dynamo.reset()
     target, model, processor = tiny_target("llama")
-    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=3)
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=3) if drafted else None
     dec = glance_rt.Decoder(target, drafter, tree_budget=6, max_length=256, backend="compile", chunk=8,
                             device_round=True)
+    before = unique_graphs()
     dec.warmup()
     warm = unique_graphs()
+    assert warm - before == (7 if drafted else 2)  # verify at 1, 7 and 8 (lookup) rows, draft, context, round, step
     for prompt, new in [("Hi", 30), ("Count the objects, then name their colours, one by one.", 20)]:
         inputs = make_inputs("llama", processor, prompt=prompt, seed=new)
         res = dec.generate(max_new_tokens=new, **inputs)
-        assert res.token_ids == hf_greedy(model, inputs, new) and res.stats.timings["round"] > 0
+        assert res.token_ids == hf_greedy(model, inputs, new) and res.stats.timings["tree"] == 0
+        assert (res.stats.timings["round"] > 0) == drafted
     assert unique_graphs() == warm

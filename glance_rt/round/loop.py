@@ -163,14 +163,15 @@ class Decoder:
     oneDNN everywhere; False: torch's own everywhere; or a `KernelTuner` (its timer and cache).
     `kernel_choices` says what was chosen.
 
-    `device_round` runs each drafted greedy round as one graph (`StaticGraphs.round`: the draft pass,
-    the tree built on the device with static shapes (`glance_rt.round.device_tree`, `build_tree`'s
-    arrays bit for bit), verify, acceptance and the compaction) with one device-to-host copy, the
-    committed tokens: on a GPU the host tree, its uploads and the syncs between the passes cost 0.7 ms
-    a round at a 3B's shapes (the first H200 run: round 7.10 ms against draft 0.68 + verify 5.72).
-    None (default): on for the compile backend on a CUDA device; True: also on a CPU (the tests);
-    False: the host tree. Prompt lookup still matches on the host, and the gate's one-row steps, lookup
-    rounds and sampled rounds run as before.
+    `device_round` runs each greedy round as one graph with one device-to-host copy, the committed
+    tokens: a drafted round (`StaticGraphs.round`: the draft pass, the tree built on the device with
+    static shapes (`glance_rt.round.device_tree`, `build_tree`'s arrays bit for bit), verify, acceptance
+    and the compaction) and an autoregressive step (`StaticGraphs.step`: the one-row verify, its argmax
+    and entropy; one copy in), the gate's and a decoder's without a drafter. On a GPU the host tree, its
+    uploads and the syncs between the passes cost 0.7 ms a round at a 3B's shapes (the first H200 run:
+    round 7.10 ms against draft 0.68 + verify 5.72). None (default): on for the compile backend on a
+    CUDA device; True: also on a CPU (the tests); False: from the host. Prompt lookup still matches on
+    the host, and lookup rounds and sampled rounds run from the host as before.
 
     `numerics`: "fast" (default) or "exact": every decode pass (autoregressive steps and verify passes)
     computes each row bit for bit as a one-row step does (`glance_rt.models.exact`: linear layers as
@@ -361,14 +362,24 @@ class Decoder:
         return base if backend == default_backend(self.target.device) else f"{base}@{backend}"
 
     def _device_round(self, asked: bool | None) -> bool:
-        """Whether drafted greedy rounds run as one graph on the device (`StaticPasses.round`): asked
-        True, or None on a CUDA device whose passes have the graph (compile)."""
-        able = self.drafter is not None and getattr(self.passes, "has_round", False) and self.max_batch == 1
+        """Whether greedy rounds run as one graph each on the device (drafted rounds: `StaticPasses.round`;
+        autoregressive steps: `StaticPasses.step`): asked True, or None on a CUDA device whose passes have
+        the graphs (compile)."""
+        graph = "has_round" if self.drafter is not None else "has_step"
+        able = getattr(self.passes, graph, False) and self.max_batch == 1
         if asked and not able:
-            raise GlanceError("device_round=True runs a drafted round as one compiled graph: it needs a drafter, "
-                              "the compile backend and max_batch=1 (engines, eager passes and batched rounds build "
-                              "the tree on the host)")
+            raise GlanceError("device_round=True runs each round as one compiled graph: it needs the compile "
+                              "backend, max_batch=1 and a GLANCE drafter or none (engines, eager passes, EAGLE-3 "
+                              "heads and batched rounds run their rounds' steps from the host)")
         return able and (asked if asked is not None else self.target.device.type == "cuda")
+
+    def _device_budgets(self) -> list[int]:
+        """The budgets whose rounds run as one graph on the device: the drafted ones, and 0 (the autoregressive
+        steps) where this decoder takes any; [] without device rounds. (Lookup rounds build their tree on the
+        host.)"""
+        if not self.device_round:
+            return []
+        return [b for b in self.budgets if b == 0 or b in self.drafted_budgets]
 
     def _lookup_budget(self, rows: int | None) -> int:
         """The rows a lookup round verifies (0: no lookup rounds)."""
@@ -394,7 +405,7 @@ class Decoder:
         """Pay the one-time costs now, not in the first request: compile (or load) every graph at
         every budget bucket, so an adaptive budget never compiles mid-request, then run one short
         generation (first-call kernel set-up on every path of the round)."""
-        self.passes.warmup(self.budgets, self.chain, self.drafted_budgets if self.device_round else ())
+        self.passes.warmup(self.budgets, self.chain, self._device_budgets())
         block = self.drafter.block_size if self.drafter is not None else 1
         self.generate(max_new_tokens=2 * block + 1, **self.target.encode_chat(prompt))
         return self
@@ -488,14 +499,19 @@ class Decoder:
             drafted = self.drafter is not None and not looked_up
             if drafted and gate is not None:  # a round drafts once pending_rows context rows wait
                 drafted = gate.draft(prior, ngram, must=ctx_feats.shape[0] >= self.pending_rows)
-            on_device = drafted and self.device_round and chooser is None
-            if on_device:  # draft, tree, verify, acceptance and compaction: one graph, one copy back
-                result = yield Call("round", (ctx_feats, ctx_start, bonus, block_start, pre.rope_delta, budget,
-                                              self.chain, (ngram, chain)))
+            on_device = self.device_round and chooser is None and not looked_up
+            if on_device:  # one graph, one copy in and one back: a drafted round (draft, tree, verify,
+                # acceptance and compaction) or an autoregressive step (a one-row verify)
+                if drafted:
+                    result = yield Call("round", (ctx_feats, ctx_start, bonus, block_start, pre.rope_delta, budget,
+                                                  self.chain, (ngram, chain)))
+                    stats.draft_passes += 1
+                else:
+                    budget = 0
+                    result = yield Call("step", (bonus, block_start, pre.rope_delta))
                 path, run, accepted = result.path, result.run, result.feats
                 root_entropy, end_entropy = result.root_entropy, result.end_entropy
-                stats.draft_passes += 1
-                clock.lap("round")
+                clock.lap("round" if drafted else "verify")
             else:
                 if looked_up:  # the whole chain: `rows` of it where it runs past the tree's budget
                     if len(chain) > budget:

@@ -126,8 +126,9 @@ class StaticGraphs(nn.Module):
         [R] when traced for any T)
     draft(ctx [R, F], ctx_start [], bonus [], block_start []) -> draft logits [B-1, V]
     context(ctx [C, F], ctx_start []) -> nothing (writes the drafter's context cache)
-    round(ctx, ctx_start, bonus, block_start, rope_delta [], lookup_chain [N], lookup_len [], chain) -> report
-        [2K+3] float64, accepted features [K, F]: a drafted round whole (`round`, K = min(N+1, R))
+    round(ctx [R, F], args [5 + N], chain) -> report [2K+3] float64, accepted features [K, F]: a drafted round
+        whole (`round`, K = min(N+1, R))
+    step(args [3]) -> report [2] float64, features [1, F]: an autoregressive step whole (`step`)
     """
 
     def __init__(self, verifier: TargetDecoder, draft_pass=None):
@@ -189,15 +190,19 @@ class StaticGraphs(nn.Module):
         """One EAGLE-3 depth pass of k rows, visible [k, cache rows] -> states [k, H], log-probs [k, Vd]."""
         return self.draft_pass.rows(ids, states, positions, rows, visible)
 
-    def round(self, ctx: Tensor, ctx_start: Tensor, bonus: Tensor, block_start: Tensor, rope_delta: Tensor,
-              lookup_chain: Tensor, lookup_len: Tensor, chain: bool = False) -> tuple[Tensor, Tensor]:
+    def round(self, ctx: Tensor, args: Tensor, chain: bool = False) -> tuple[Tensor, Tensor]:
         """A drafted round on the device, with no host sync, so one graph (one CUDA graph) runs it: the
-        draft pass, the tree of budget N = lookup_chain rows (`build_tree_device`, `build_tree`'s
-        arrays), verify, greedy acceptance and the commit's compaction of the accepted rows' KV.
+        draft pass, the tree of budget N (`build_tree_device`, `build_tree`'s arrays), verify, greedy
+        acceptance and the commit's compaction of the accepted rows' KV. ctx [R, F]: the draft pass's
+        context rows; args int64 [5 + N] (the round's one host-to-device copy beside ctx): the context's
+        start, the bonus, the block's start, the M-RoPE shift, the prompt-lookup chain's length, then the
+        chain padded to N rows (`lookup_tensors`).
         -> report [2K+3] float64, the round's one device-to-host copy: the accepted rows (then -1),
         the tokens of rows path[i] (K), the bonus (the target's argmax after the last accepted row),
         the entropies of the root's and that row's distributions; and the accepted rows' features
         [K, F] (rows past the path: copies of the root's), the next draft pass's context."""
+        ctx_start, bonus, block_start, rope_delta, lookup_len = args[:5].unbind()  # []
+        lookup_chain = args[5:]  # [N]
         draft_logits = self.draft(ctx, ctx_start, bonus, block_start)  # [B-1, V]
         vocab = getattr(self.draft_pass, "draft_vocab", None)
         tree = build_tree_device(draft_logits, bonus, lookup_chain.shape[0], chain, vocab, lookup_chain, lookup_len)
@@ -211,6 +216,28 @@ class StaticGraphs(nn.Module):
         report = torch.cat([path, tree.tokens.index_select(0, rows), greedy.index_select(0, last)])
         return (torch.cat([report.double(), entropies(logits.index_select(0, ends)).double()]),
                 feats.index_select(0, rows))
+
+    def step(self, args: Tensor) -> tuple[Tensor, Tensor]:
+        """An autoregressive step on the device, with no host sync: the one-row verify pass of the token
+        args[0] at cache row (and text index) args[1], its M-RoPE shift args[2] (int64 [3]: the step's one
+        host-to-device copy) -> report [2] float64 (the target's argmax, the entropy of its distribution:
+        the step's one device-to-host copy), the row's features [1, F]. The same pass as `verify` of a
+        one-row tree (the root alone is always accepted; its commit moves nothing)."""
+        tokens, start = args[:1], args[1]  # [1], []
+        positions = text_positions(args[1:2], args[2], self.verifier.mrope)  # [1, 1] / [3, 1, 1]
+        mask = torch.ones(1, 1, dtype=torch.bool, device=args.device)
+        logits, feats, greedy, _ = self.verify(tokens, positions, start, mask, torch.full_like(tokens, -1))
+        return torch.cat([greedy.double(), entropies(logits).double()]), feats
+
+
+def round_args(ctx_start: int, bonus: int, block_start: int, rope_delta: int, block_size: int, budget: int,
+               chain: bool, lookup: tuple[int, list[int]], device=None) -> Tensor:
+    """`StaticGraphs.round`'s args [5 + max(budget, 1)] int64, built on the host and copied once: the
+    draft's context start, the bonus, the block's start, the M-RoPE shift, the lookup chain's length and
+    the chain (`lookup`: the host's prompt-lookup match (n, chain), cut as `build_tree` cuts it)."""
+    lookup_chain, lookup_len = lookup_tensors(lookup, block_size - 1, budget, chain)
+    return torch.cat([torch.tensor([ctx_start, bonus, block_start, rope_delta, int(lookup_len)]),
+                      lookup_chain]).to(device)
 
 
 def text_positions(index: Tensor, rope_delta, mrope: bool) -> Tensor:
@@ -272,10 +299,15 @@ class StaticPasses:
         """Whether a drafted round can run as one graph (`round`; engines have no such graph)."""
         return "round" in self.fns
 
+    @property
+    def has_step(self) -> bool:
+        """Whether an autoregressive step can run as one graph (`step`; engines run their one-row verify)."""
+        return "step" in self.fns
+
     def warmup(self, budgets, chain: bool, rounds=()) -> None:
         """Run every graph once at its fixed shape (a verify graph per budget bucket, a round graph per
-        drafted budget in `rounds`): compiles, captures or loads each now. The rows they write are
-        scratch, rewritten before any is read."""
+        drafted budget in `rounds`, the step graph where `rounds` holds 0): compiles, captures or loads each
+        now. The rows they write are scratch, rewritten before any is read."""
         with torch.inference_mode():
             for key, args in example_inputs(self.graphs, self.shapes, budgets, chain, rounds).items():
                 fn = self.fns.get(key.split("-")[0])
@@ -343,30 +375,40 @@ class StaticPasses:
         return self.fns["eagle3_depth"](ids, states.contiguous(), positions, rows, visible)
 
     def _draft_args(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int) -> tuple:
+        """The draft graph's inputs (`_draft_context`)."""
+        ctx, start = self._draft_context(ctx_feats, ctx_start)
+        return ctx, self._t(start), self._t(bonus), self._t(block_start)
+
+    def _draft_context(self, ctx_feats: Tensor, ctx_start: int) -> tuple[Tensor, int]:
         """Write all but the last 1..R pending context rows (a round's whole path) through the context
-        graph, in chunks of C rows (the prompt's context); -> the draft graph's inputs for the rest."""
+        graph, in chunks of C rows (the prompt's context); -> the rest padded to R rows [R, F], its start."""
         r, c = self.shapes.ctx_rows, self.shapes.chunk
         m = ctx_feats.shape[0]
         tail = (m - 1) % r + 1
         for s in range(0, m - tail, c):
             chunk = ctx_feats[s : min(s + c, m - tail)]
             self.fns["context"](self._pad_rows(chunk, c, 0), self._t(ctx_start + s))
-        ctx = self._pad_rows(ctx_feats[m - tail :], r, 0)  # [R, F]
-        return ctx, self._t(ctx_start + m - tail), self._t(bonus), self._t(block_start)
+        return self._pad_rows(ctx_feats[m - tail :], r, 0), ctx_start + m - tail
 
     def round(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int, rope_delta: int, budget: int,
               chain: bool, lookup: tuple[int, list[int]]) -> "DeviceRound":
         """A drafted greedy round as one graph (`StaticGraphs.round`) and one device-to-host copy;
         `lookup` the host's prompt-lookup match (n, chain), cut as `build_tree` cuts it."""
-        n_depth = self.shapes.block_size - 1
-        lookup_chain, lookup_len = lookup_tensors(lookup, n_depth, budget, chain, self.device)
-        report, feats = self.fns["round"](*self._draft_args(ctx_feats, ctx_start, bonus, block_start),
-                                          self._t(rope_delta), lookup_chain, lookup_len, chain)
+        ctx, start = self._draft_context(ctx_feats, ctx_start)
+        report, feats = self.fns["round"](ctx, round_args(start, bonus, block_start, rope_delta, self.shapes.block_size,
+                                                          budget, chain, lookup, self.device), chain)
         host = report.tolist()  # the round's one device-to-host copy
         k = feats.shape[0]
         path = [int(i) for i in host[:k] if i >= 0]
         run = [int(t) for t in host[k + 1 : k + len(path)]] + [int(host[2 * k])]
         return DeviceRound(path, run, feats[: len(path)], host[2 * k + 1], host[2 * k + 2])
+
+    def step(self, bonus: int, block_start: int, rope_delta: int) -> "DeviceRound":
+        """An autoregressive step as one graph (`StaticGraphs.step`): one host-to-device copy (the token, its
+        row and M-RoPE shift), one device-to-host copy (the target's argmax and its entropy)."""
+        report, feats = self.fns["step"](self._t([bonus, block_start, rope_delta]))
+        token, ent = report.tolist()  # the step's one device-to-host copy
+        return DeviceRound([0], [int(token)], feats, ent, ent)
 
     def commit(self, path: list[int], start: int, slot: int = 0) -> None:
         if path != list(range(len(path))):
@@ -433,16 +475,16 @@ class StaticPasses:
 
 
 def compiled_fns(graphs: StaticGraphs, cuda_graphs: str = "trees") -> dict:
-    """The round's graphs (verify, draft, context, and a drafted round whole: `round`) under
-    torch.compile(fullgraph=True, dynamic=False): one compiled frame per graph and shape (a verify per
-    tree-budget bucket; a round graph per drafted budget, compiled only where a Decoder runs rounds on
-    the device). On CUDA each replays as a CUDA graph: the caches are module buffers (static addresses),
-    the small inputs are copied in. `cuda_graphs`: "trees" (torch.compile's "reduce-overhead": Dynamo's
-    guards and the trees' bookkeeping run at every call) or "runner" (`glance_rt.round.graphs.GraphRunner`:
-    guards run once, at capture; each call copies its inputs and launches one graph). The prompt's
-    prefill runs once per prompt: it stays an eager exact-length pass (one GEMM over the whole prompt
-    beats padded chunks that attend over every cache row; time to first token in docs/engines.md);
-    engines, which have no eager model to fall back on, run it as chunks."""
+    """The round's graphs (verify, draft, context, and a drafted round or an autoregressive step whole: `round`,
+    `step`) under torch.compile(fullgraph=True, dynamic=False): one compiled frame per graph and shape (a verify
+    per tree-budget bucket; a round graph per drafted budget and the step graph, compiled only where a Decoder
+    runs rounds on the device). On CUDA each replays as a CUDA graph: the caches are module buffers (static
+    addresses), the small inputs are copied in. `cuda_graphs`: "trees" (torch.compile's "reduce-overhead":
+    Dynamo's guards and the trees' bookkeeping run at every call) or "runner"
+    (`glance_rt.round.graphs.GraphRunner`: guards run once, at capture; each call copies its inputs and launches
+    one graph). The prompt's prefill runs once per prompt: it stays an eager exact-length pass (one GEMM over
+    the whole prompt beats padded chunks that attend over every cache row; time to first token in
+    docs/engines.md); engines, which have no eager model to fall back on, run it as chunks."""
     if cuda_graphs not in CUDA_GRAPHS:
         raise GlanceError(f"unknown cuda_graphs {cuda_graphs!r}: choose one of {', '.join(CUDA_GRAPHS)}")
     cuda = graphs.verifier.embed_tokens.weight.is_cuda
@@ -457,7 +499,7 @@ def compiled_fns(graphs: StaticGraphs, cuda_graphs: str = "trees") -> dict:
 def graph_names(graphs: StaticGraphs) -> tuple[str, ...]:
     """The StaticGraphs methods a decoder over `graphs` runs as fixed-shape graphs (the prompt's prefill
     aside: it runs eagerly, `compiled_fns`)."""
-    names = (*GRAPHS[1:], "round") if graphs.draft_pass is not None else GRAPHS[1:2]
+    names = (*GRAPHS[1:], "round", "step") if graphs.draft_pass is not None else (*GRAPHS[1:2], "step")
     if isinstance(graphs.draft_pass, Eagle3Pass):  # EAGLE-3: its context and depth passes (the tree on the host)
         names = ("verify", *EAGLE3_GRAPHS)
     if graphs.verifier.cache.slots > 1:  # batched rounds: a graph per (slots, rows) bucket, compiled as they come
@@ -481,8 +523,8 @@ def verify_rows(budget: int, chain: bool, block_size: int) -> int:
 
 
 def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
-    """name -> example args of every graph to build (what fixes its shapes); `rounds`: the drafted
-    budgets a round graph is built for."""
+    """name -> example args of every graph to build (what fixes its shapes); `rounds`: the budgets whose
+    rounds run as one graph on the device (a drafted budget: its round graph; 0: the step graph)."""
     v = graphs.verifier
     mrope = v.mrope
     dev, dtype = v.embed_tokens.weight.device, v.embed_tokens.weight.dtype
@@ -520,10 +562,10 @@ def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
         ctx = torch.zeros(r, feats, dtype=dtype, device=dev)
         out["draft"] = (ctx, zero(), zero(), torch.tensor(r, device=dev))
         out["context"] = (torch.zeros(c, feats, dtype=dtype, device=dev), zero())
-        for budget in rounds:
-            chain_t, len_t = lookup_tensors((0, []), b - 1, budget, chain, dev)
-            out[f"round-{budget}"] = (*out["draft"][:2], zero(), torch.tensor(r, device=dev), zero(), chain_t, len_t,
-                                      chain)
+        for budget in (b for b in rounds if b):
+            out[f"round-{budget}"] = (ctx, round_args(0, 0, r, 0, b, budget, chain, (0, []), dev), chain)
+    if 0 in rounds and not isinstance(graphs.draft_pass, Eagle3Pass):  # autoregressive steps on the device
+        out["step"] = (torch.zeros(3, dtype=torch.long, device=dev),)
     for slots in shapes.batch_buckets[1:]:  # batched rounds: a verify graph per (slots, rows), a draft per slots
         for budget in budgets:
             t = verify_rows(budget, chain, b)
