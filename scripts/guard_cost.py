@@ -31,7 +31,7 @@ def median_us(fn, reps: int) -> float:
     return 1e6 * statistics.median(out)
 
 
-def step_costs(layers: int, reps: int) -> dict:
+def step_costs(layers: int, reps: int, tokens: int) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     import glance_rt
@@ -42,9 +42,9 @@ def step_costs(layers: int, reps: int) -> dict:
     target = glance_rt.load_target(Qwen2ForCausalLM(cfg).eval())
     ctx = 64
     ids = torch.randint(0, cfg.vocab_size, (1, ctx))
-    decs = {on: glance_rt.Decoder(target, None, max_length=ctx + 128, backend="compile", device_round=on)
+    decs = {on: glance_rt.Decoder(target, None, max_length=ctx + tokens + 64, backend="compile", device_round=on)
             for on in (False, True)}
-    per_token = {on: round(token_us(dec, ids)) for on, dec in decs.items()}
+    per_token = {on: round(token_us(dec, ids, long=tokens)) for on, dec in decs.items()}
     dec = decs[False]
     pre = target.prefill_inputs({"input_ids": ids})
     root = build_tree(None, 0, 0)
@@ -82,11 +82,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", default="2,36")
     ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--tokens", type=int, default=80, help="the longer generation (the shorter: 16 tokens)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     for n in args.layers.split(","):
         torch._dynamo.reset()
-        print(step_costs(int(n), args.reps), flush=True)
+        print(step_costs(int(n), args.reps, args.tokens), flush=True)
 
 
 if __name__ == "__main__":
