@@ -544,7 +544,8 @@ class Decoder:
                 else:  # the target's own choice at each row decides the walk (lossless for sampling)
                     path, last = walk(tree, logits, ids, ids.numel(), chooser)
                     run = [int(tree.tokens[i]) for i in path[1:]] + [last]
-                root_entropy, end_entropy = entropy(logits[0]), entropy(logits[path[-1]])
+                # the root's and the last accepted row's (one read-back; the same row in a step)
+                root_entropy, end_entropy = entropies(torch.stack([logits[0], logits[path[-1]]])).tolist()
                 clock.lap("verify")
             stats.root_entropy.append(root_entropy)
             stats.prior_entropy.append(prior)
