@@ -281,6 +281,20 @@ def test_device_rounds_equal_host_rounds(arch, mode):
         assert max(device.accepted_lengths) == 4  # whole blocks accepted (decoys: scattered rows compacted)
 
 
+def test_device_round_grafts_the_lookup_chain():
+    """A device round's prompt-lookup chain (in its one upload) is grafted as the host grafts it: a chain that is
+    the target's own continuation is accepted whole, beside an untrained drafter's candidates."""
+    target, _, inputs, ref = case("llama")
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=8, seed=2)
+    dec = static_decoder(target, drafter, chunk=5, max_length=256, tree_budget=8, gate=False, device_round=True)
+    pre = target.prefill_inputs(inputs)
+    p = pre.embeds.shape[0]
+    with torch.inference_mode():
+        _, feats = dec.passes.prefill(pre.embeds[None].to(target.dtype), pre.positions[None])
+        out = dec.passes.round(feats, 0, ref[0], p, pre.rope_delta, 8, False, (3, ref[1:9]))  # 3-gram: 6 rows
+    assert out.run == ref[1:8] and len(out.path) == 7
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
 def test_device_steps_equal_host_steps(arch):
     """An autoregressive step as one graph (the one-row verify, argmax and entropy in it; one copy in, one
