@@ -334,7 +334,9 @@ def test_device_round_needs_static_passes_and_a_glance_drafter_or_none():
 
     target, _, _ = tiny_target("llama")
     drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=2)
-    for kw in ({"backend": "eager"}, {"backend": "eager", "drafter": None}, {"drafter": eagle3(target)}):
+    no_step = Backend("static", static_passes(lambda graphs: {n: getattr(graphs, n) for n in (*GRAPHS, "round")}, 5))
+    for kw in ({"backend": "eager"}, {"backend": "eager", "drafter": None}, {"drafter": eagle3(target)},
+               {"backend": no_step}):  # (no_step: the gate's steps would have no graph)
         with pytest.raises(glance_rt.GlanceError, match="device_round"):
             glance_rt.Decoder(target, kw.pop("drafter", drafter), max_length=128, device_round=True,
                               **{"backend": "compile", **kw})

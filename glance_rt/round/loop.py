@@ -365,8 +365,8 @@ class Decoder:
         """Whether greedy rounds run as one graph each on the device (drafted rounds: `StaticPasses.round`;
         autoregressive steps: `StaticPasses.step`): asked True, or None on a CUDA device whose passes have
         the graphs (compile)."""
-        graph = "has_round" if self.drafter is not None else "has_step"
-        able = getattr(self.passes, graph, False) and self.max_batch == 1
+        graphs = ("has_round", "has_step") if self.drafter is not None else ("has_step",)  # the gate's steps too
+        able = all(getattr(self.passes, g, False) for g in graphs) and self.max_batch == 1
         if asked and not able:
             raise GlanceError("device_round=True runs each round as one compiled graph: it needs the compile "
                               "backend, max_batch=1 and a GLANCE drafter or none (engines, eager passes, EAGLE-3 "

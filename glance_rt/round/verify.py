@@ -564,7 +564,7 @@ def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
         out["context"] = (torch.zeros(c, feats, dtype=dtype, device=dev), zero())
         for budget in (b for b in rounds if b):
             out[f"round-{budget}"] = (ctx, round_args(0, 0, r, 0, b, budget, chain, (0, []), dev), chain)
-    if 0 in rounds and not isinstance(graphs.draft_pass, Eagle3Pass):  # autoregressive steps on the device
+    if 0 in rounds:  # autoregressive steps on the device
         out["step"] = (torch.zeros(3, dtype=torch.long, device=dev),)
     for slots in shapes.batch_buckets[1:]:  # batched rounds: a verify graph per (slots, rows), a draft per slots
         for budget in budgets:
