@@ -291,6 +291,7 @@ class Run:
     def __init__(self, args):
         self.args, self.start, self.report = args, time.perf_counter(), {}
         self.device = torch.device("cpu" if args.cpu else "cuda")
+        self.regions = args.regions == "on"  # the compile backend's layers as nested compile regions
         self.out = Path(args.out) / "gpu_check.json"
 
     def left(self) -> float:
@@ -657,7 +658,7 @@ def lossless_section(run: Run) -> dict:
             model, processor = make_tiny(arch)
             target = glance_rt.load_target(model, device=str(dev), processor=processor)
             drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=3)
-            kind = compile_backend(run.args.cuda_graphs, 8) if backend == "compile" else backend
+            kind = compile_backend(run.args.cuda_graphs, 8, run.regions) if backend == "compile" else backend
             dec = glance_rt.Decoder(target, drafter, tree_budget=8, max_length=256, backend=kind, chunk=8)
             vlm = arch in VLM_ARCHS
             prompts = [("Describe it.", 1 if vlm else 0, 24), ("Hi", 0, 30),
@@ -676,7 +677,7 @@ def lossless_section(run: Run) -> dict:
                 entry["recompiles_after_first_prompt"] = graphs[-1] - graphs[0]
                 entry["device_rounds"] = device_rounds  # drafted rounds run as one graph (default on CUDA)
                 entry["device_steps"] = device_steps  # and AR steps
-                entry["cuda_graphs"] = run.args.cuda_graphs
+                entry["cuda_graphs"], entry["regions"] = run.args.cuda_graphs, run.regions
                 if dev.type == "cuda" and run.args.cuda_graphs == "runner":  # captured graphs were replayed
                     entry["replays"] = {n: f.replays for n, f in dec.passes.fns.items()}
             res[f"{arch}/{backend}"] = entry
@@ -753,11 +754,14 @@ def build_target(cfg: dict, dtype, device):
     return glance_rt.load_target(model, dtype=str(dtype).removeprefix("torch."), device=str(device))
 
 
-def compile_backend(cuda_graphs: str, chunk: int = 64):
-    """The compile backend whose passes replay on CUDA as `cuda_graphs` says ("runner" or "trees")."""
+def compile_backend(cuda_graphs: str, chunk: int = 64, regions: bool = True):
+    """The compile backend whose passes replay on CUDA as `cuda_graphs` says ("runner" or "trees"); `regions`
+    False: the verifier's layers inline, not a nested compile region each (`--regions off`)."""
+    from dataclasses import replace
+
     from glance_rt.round.verify import named_backend
 
-    return named_backend("compile", chunk, cuda_graphs=cuda_graphs)
+    return replace(named_backend("compile", chunk, cuda_graphs=cuda_graphs), regions=regions)
 
 
 def pass_fns(run: Run, target, drafter, backend, budgets, numerics: str = "fast") -> dict:
@@ -902,7 +906,8 @@ def ratios(fig: dict) -> dict:
 def exact_figures(run: Run, target, drafter, budget: int) -> dict:
     """Issue 39's cost: the compiled AR step, verify and round at `budget` in exact numerics (the Triton
     matmul and path kernel on CUDA), to set beside the fast mode's."""
-    fns = pass_fns(run, target, drafter, compile_backend(run.args.cuda_graphs), [budget], numerics="exact")
+    fns = pass_fns(run, target, drafter, compile_backend(run.args.cuda_graphs, regions=run.regions), [budget],
+                   numerics="exact")
     return pass_figures(run, {k: fns[k] for k in ("ar_step", f"verify_{budget}", f"round_{budget}")})
 
 
@@ -917,7 +922,8 @@ def cuda_graphs_ab(run: Run, target, drafter, mode: str, ar_ms) -> dict:
     out = {mode: ar_ms}
     try:
         torch._dynamo.reset()
-        out[other] = 1e3 * run.timed(pass_fns(run, target, drafter, compile_backend(other), [1])["ar_step"])
+        fns = pass_fns(run, target, drafter, compile_backend(other, regions=run.regions), [1])
+        out[other] = 1e3 * run.timed(fns["ar_step"])
     except Exception as e:  # recorded: the main figures stand
         traceback.print_exc()
         out[other] = f"{type(e).__name__}: {e}"
@@ -941,19 +947,24 @@ def model_figures(run: Run, cfg: dict, dtype, budgets, profile: bool, exact_afte
     eager = pass_fns(run, target, drafter, "eager", budgets)
     fig["eager"] = pass_figures(run, eager if run.args.eager_passes else {"ar_step": eager["ar_step"]})
     del eager
-    t, mode = time.perf_counter(), run.args.cuda_graphs
-    try:
-        fns = pass_fns(run, target, drafter, compile_backend(mode), budgets)
-        fig["compile"] = pass_figures(run, fns)
-    except Exception as e:  # the runner's first GPU runs: its error is a finding, and the trees' figures still come
-        if mode == "trees" or run.device.type != "cuda":
-            raise
-        traceback.print_exc()
-        fig["runner_error"], mode = f"{type(e).__name__}: {e}", "trees"
-        torch._dynamo.reset()
-        fns = pass_fns(run, target, drafter, compile_backend(mode), budgets)
-        fig["compile"] = pass_figures(run, fns)
-    fig["cuda_graphs"] = mode
+    t, mode, regions = time.perf_counter(), run.args.cuda_graphs, run.regions
+    # on CUDA a failure is a finding, and the figures still come: compile regions off first (not yet run on a
+    # GPU), then the trees for the runner; each failure in `compile_errors`
+    fallbacks = [(mode, False)] if regions else []
+    fallbacks += [("trees", False)] if mode == "runner" else []
+    while True:
+        try:
+            fns = pass_fns(run, target, drafter, compile_backend(mode, regions=regions), budgets)
+            fig["compile"] = pass_figures(run, fns)
+            break
+        except Exception as e:
+            if not fallbacks or run.device.type != "cuda":
+                raise
+            traceback.print_exc()
+            fig.setdefault("compile_errors", []).append(f"{mode}, regions {regions}: {type(e).__name__}: {e}")
+            mode, regions = fallbacks.pop(0)
+            torch._dynamo.reset()
+    fig["cuda_graphs"], fig["regions"] = mode, regions
     fig["compile"]["wall_s"] = round(time.perf_counter() - t, 1)
     print("compile", mode, json.dumps(fig["compile"]), flush=True)
     if profile and run.left() > run.args.floor:
@@ -1219,8 +1230,8 @@ def summary(report: dict) -> None:
         print(f"{name:14} AR bandwidth bound {fig['ar_bandwidth_bound_ms']:.2f} ms | HF static step {hf}")
         print(f"{name:14} ratios: " + "  ".join(f"{k} {v:.2f}" for k, v in fig.get("ratios", {}).items()))
         if "cuda_graphs" in fig:
-            print(f"{name:14} compiled passes replayed by: {fig['cuda_graphs']}"
-                  + (f" (the runner failed: {fig['runner_error']})" if "runner_error" in fig else "")
+            print(f"{name:14} compiled passes replayed by: {fig['cuda_graphs']}, compile regions {fig.get('regions')}"
+                  + (f" (after failures: {fig['compile_errors']})" if "compile_errors" in fig else "")
                   + f" | AR step ms by CUDA graphs: {fig.get('ar_step_ms_by_cuda_graphs', 'not timed')}")
     for dtype, fig in report.get("real", {}).items():
         if isinstance(fig, dict):
@@ -1244,6 +1255,9 @@ def parse_args(argv=None):
     ap.add_argument("--model-floor", type=float, default=120, help="seconds a model's timings need (else skipped)")
     ap.add_argument("--compile-archs", default="llama",
                     help="tiny architectures the lossless sweep also runs compiled ('all': every one)")
+    ap.add_argument("--regions", default="on", choices=["on", "off"],
+                    help="compiled passes: each verifier layer a nested compile region (the compile backend's default: "
+                         "a layer compiled once per graph) or inline (a fallback where regions fail)")
     ap.add_argument("--cuda-graphs", default="runner", choices=["runner", "trees"],
                     help="lossless and timings: how compiled passes replay (the timings time the AR step with the "
                          "other one beside; gpu_tests check both)")

@@ -73,6 +73,18 @@ def hf_greedy(model, inputs: dict, max_new_tokens: int, **kw) -> list[int]:
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
+def called_nodes(gm: torch.fx.GraphModule):
+    """The call_function nodes a graph runs, in order, a nested compile region's subgraph (the compile
+    backend's layers: `glance_rt.models.target.block_region`) expanded at each of its calls."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is torch.ops.higher_order.invoke_subgraph:
+            yield from called_nodes(getattr(gm, n.args[0].target))
+        else:
+            yield n
+
+
 class OracleDrafter:
     """A drafter that knows the reference continuation: proposes it (perfect), or corrupts a
     fraction of depths (adversarial). Implements the Decoder's drafter protocol."""

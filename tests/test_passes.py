@@ -205,6 +205,34 @@ def test_compile_backend_autoregression():
     assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == ref
 
 
+def test_compile_backend_traces_a_layer_once_for_all():
+    """The compile backend runs the verifier's layers as one nested compile region: a graph traces a layer
+    once and stamps it out for the rest, so four more layers add (almost) nothing to trace, where every
+    layer is traced again without regions; HF's tokens either way. (Compile time: docs/engines.md.)"""
+    from dataclasses import replace
+
+    from torch._dynamo.utils import counters
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    def traced(layers: int, regions: bool) -> int:
+        cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True, eos_token_id=None)
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(cfg).eval()
+        backend = named_backend("compile", 8)
+        assert backend.regions  # the compile backend's default
+        dec = glance_rt.Decoder(glance_rt.load_target(model), None, max_length=64, chunk=8,
+                                backend=replace(backend, regions=regions))
+        ids = torch.randint(0, cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(layers))
+        torch._dynamo.reset()
+        counters.clear()
+        assert dec.generate(input_ids=ids, max_new_tokens=3).token_ids == hf_greedy(model, {"input_ids": ids}, 3)
+        return counters["stats"]["calls_captured"]
+
+    per_layer = {regions: (traced(6, regions) - traced(2, regions)) / 4 for regions in (True, False)}
+    assert per_layer[True] <= 3 and per_layer[False] >= 20, per_layer  # (2 and 59 with torch 2.13)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cuda_graphs", ["trees", "runner"])
 def test_compile_backend_cuda_graphs_match_hf(cuda_graphs):

@@ -15,6 +15,52 @@ def slot_rows(rows: Tensor) -> tuple:
     return torch.arange(rows.shape[0], device=rows.device)[:, None], slice(None), rows
 
 
+class LayerKV:
+    """One layer's k, v buffers [slots, KVH, L, D] (a `KVCache`'s) and what a pass does with them: write rows
+    in place, read a slot's or slots 0..S-1's rows as views. Built from the two tensors, so a layer can take
+    its cache as plain tensor arguments (what a compiled region reused over the layers needs:
+    `glance_rt.models.target.TargetDecoder`)."""
+
+    def __init__(self, k: Tensor, v: Tensor):
+        self.k, self.v = k, v
+
+    def of_slot(self, slot: int = 0) -> tuple[Tensor, Tensor]:
+        """k, v of one slot: [1, KVH, L, D] each."""
+        if self.k.shape[0] == 1:  # one slot (or, traced for export, slot 0's tensor alone)
+            return self.k, self.v
+        return self.k[slot : slot + 1], self.v[slot : slot + 1]
+
+    def write(self, rows: Tensor, k: Tensor, v: Tensor, slot: int = 0) -> None:
+        """Write k, v [1, KVH, T, D] at cache rows `rows` [T] of `slot` in place (distinct, or a row repeated
+        with the same k, v: a padded chunk)."""
+        if slot == 0 and self.k.shape[0] == 1:
+            self.k.index_copy_(2, rows, k)
+            self.v.index_copy_(2, rows, v)
+            return
+        at = (torch.full((1,), slot, device=rows.device), slice(None), rows)  # filled on the device: no host copy
+        self.k[at] = k[0].transpose(0, 1)  # [T, KVH, D]: the indexed dims (slot, rows) first
+        self.v[at] = v[0].transpose(0, 1)
+
+    def write_slots(self, rows: Tensor, k: Tensor, v: Tensor) -> None:
+        """Write k, v [1, KVH, S*T, D] of slots 0..S-1 (slot s's rows at s*T) at their cache rows `rows` [S, T]
+        in place: one scatter for the batch."""
+        at = slot_rows(rows)  # -> [S, T, KVH, D]
+        self.k[at] = k[0].unflatten(1, rows.shape).permute(1, 2, 0, 3)
+        self.v[at] = v[0].unflatten(1, rows.shape).permute(1, 2, 0, 3)
+
+    def read_slots(self, slots: int, kv_len: int) -> tuple[Tensor, Tensor]:
+        """k, v of slots 0..S-1 over rows [0, kv_len) each: [S, KVH, kv_len, D] views."""
+        return self.k[:slots, :, :kv_len], self.v[:slots, :, :kv_len]
+
+    def read(self, kv_len: int, slot: int = 0) -> tuple[Tensor, Tensor]:
+        """k, v over rows [0, kv_len) of `slot`: [1, KVH, kv_len, D]. Eager passes read only the rows written
+        so far; static passes read all L rows (a fixed shape)."""
+        kc, vc = self.of_slot(slot)
+        if kv_len == kc.shape[2]:
+            return kc, vc
+        return kc[:, :, :kv_len], vc[:, :, :kv_len]
+
+
 class KVCache(nn.Module):
     """`k{i}`, `v{i}` [slots, kv_heads, max_len, head_dim] for every layer i: `slots` sequences a batch
     decodes at once (`glance_rt.round.batch`; 1 for one sequence at a time), slot s owning `k{i}[s]` (its
@@ -22,7 +68,7 @@ class KVCache(nn.Module):
     slots 0..S-1 a dense [S, KVH, L, D], the op's batched layout, a view). Rows are addressed by token
     index within a slot; rejected scratch rows are simply overwritten later. Every method takes the slot
     it works on (0 by default). Writes are in-place scatters into the whole buffer whatever the slot
-    (what compilers want of a cache); reads of slots are slices of it."""
+    (what compilers want of a cache); reads of slots are slices of it. `layer(i)`: layer i's (`LayerKV`)."""
 
     def __init__(self, layers: int, kv_heads: int, max_len: int, head_dim: int, dtype, device, slots: int = 1):
         super().__init__()
@@ -37,48 +83,18 @@ class KVCache(nn.Module):
         """Rows per slot."""
         return self.rows
 
-    def _whole(self, layer: int) -> tuple[Tensor, Tensor]:
-        return getattr(self, f"k{layer}"), getattr(self, f"v{layer}")
-
-    def buffers_of(self, layer: int, slot: int = 0) -> tuple[Tensor, Tensor]:
-        """Layer `layer`'s k, v of one slot: [1, KVH, max_len, D] each."""
-        kc, vc = self._whole(layer)
-        if kc.shape[0] == 1:  # one slot (or, traced for export, slot 0's tensor alone: `graph_buffers`)
-            return kc, vc
-        return kc[slot : slot + 1], vc[slot : slot + 1]
+    def layer(self, layer: int) -> LayerKV:
+        """Layer `layer`'s whole k, v buffers [slots, KVH, max_len, D]."""
+        return LayerKV(getattr(self, f"k{layer}"), getattr(self, f"v{layer}"))
 
     def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor, slot: int = 0) -> None:
-        """Write k, v [1, KVH, T, D] at cache rows `rows` [T] of `slot` in place (distinct, or a row repeated
-        with the same k, v: a padded chunk)."""
-        kc, vc = self._whole(layer)
-        if slot == 0 and kc.shape[0] == 1:
-            kc.index_copy_(2, rows, k)
-            vc.index_copy_(2, rows, v)
-            return
-        at = (torch.full((1,), slot, device=rows.device), slice(None), rows)  # filled on the device: no host copy
-        kc[at] = k[0].transpose(0, 1)  # [T, KVH, D]: the indexed dims (slot, rows) first
-        vc[at] = v[0].transpose(0, 1)
+        self.layer(layer).write(rows, k, v, slot)
 
     def write_slots(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
-        """Write k, v [1, KVH, S*T, D] of slots 0..S-1 (slot s's rows at s*T) at their cache rows `rows` [S, T]
-        in place: one scatter for the batch."""
-        kc, vc = self._whole(layer)
-        at = slot_rows(rows)  # -> [S, T, KVH, D]
-        kc[at] = k[0].unflatten(1, rows.shape).permute(1, 2, 0, 3)
-        vc[at] = v[0].unflatten(1, rows.shape).permute(1, 2, 0, 3)
-
-    def read_slots(self, layer: int, slots: int, kv_len: int) -> tuple[Tensor, Tensor]:
-        """This layer's k, v of slots 0..S-1 over rows [0, kv_len) each: [S, KVH, kv_len, D] views."""
-        kc, vc = self._whole(layer)
-        return kc[:slots, :, :kv_len], vc[:slots, :, :kv_len]
+        self.layer(layer).write_slots(rows, k, v)
 
     def read(self, layer: int, kv_len: int, slot: int = 0) -> tuple[Tensor, Tensor]:
-        """This layer's k, v over rows [0, kv_len) of `slot`: [1, KVH, kv_len, D]. Eager passes read only
-        the rows written so far; static passes read all `max_len` rows (a fixed shape)."""
-        kc, vc = self.buffers_of(layer, slot)
-        if kv_len == self.max_len:
-            return kc, vc
-        return kc[:, :, :kv_len], vc[:, :, :kv_len]
+        return self.layer(layer).read(kv_len, slot)
 
     def move_rows(self, src: Tensor, dst_start: Tensor | int, slot: int = 0) -> None:
         """Copy rows `src` [k] (every layer, one slot) to `[dst_start, dst_start + k)`: the commit's

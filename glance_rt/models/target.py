@@ -11,6 +11,7 @@ stacks share the norms, the rotary table and each kernel's weight layout) and ea
 stack of its row count.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from glance_rt.models.attention import attend
 from glance_rt.models.exact import ExactNumerics, RowBlockLinear
 from glance_rt.models.fused import FusedLinear, fusable
 from glance_rt.models.kernels import KernelPlan, class_index, with_plan
-from glance_rt.models.kv_cache import KVCache
+from glance_rt.models.kv_cache import KVCache, LayerKV
 from glance_rt.models.linear import can_pack
 
 
@@ -115,36 +116,35 @@ def layout(segments: "tuple[Segment, ...]") -> "tuple[Segment, ...] | SlotBatch"
     return segments if batch is None else batch
 
 
-def attend_pass(attend_fn, seqs: "tuple[Segment, ...] | SlotBatch", q: Tensor, k: Tensor, v: Tensor, cache: KVCache,
-                layer: int, scale: float) -> Tensor:
+def attend_pass(attend_fn, seqs: "tuple[Segment, ...] | SlotBatch", q: Tensor, k: Tensor, v: Tensor, cache: LayerKV,
+                scale: float) -> Tensor:
     """One layer's attention in a pass (the target's or the drafter's): q, k, v [1, heads, T, D], the pass's
-    rows laid out by `seqs` (`layout`) -> [1, heads, T, D]. Each sequence's k, v go into its own cache slot
-    and its queries see that slot alone: one call of `attend_fn` for a SlotBatch, one per segment else."""
+    rows laid out by `seqs` (`layout`), the layer's cache -> [1, heads, T, D]. Each sequence's k, v go into
+    its own cache slot and its queries see that slot alone: one call of `attend_fn` for a SlotBatch, one per
+    segment else."""
     if isinstance(seqs, SlotBatch):
-        return attend_slots(attend_fn, seqs, q, k, v, cache, layer, scale)
-    outs = [attend_segment(attend_fn, s, q, k, v, cache, layer, scale) for s in seqs]
+        return attend_slots(attend_fn, seqs, q, k, v, cache, scale)
+    outs = [attend_segment(attend_fn, s, q, k, v, cache, scale) for s in seqs]
     return outs[0] if len(outs) == 1 else torch.cat(outs, 2)  # [1, heads, T, D]
 
 
-def attend_segment(attend_fn, s: Segment, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int,
-                   scale: float) -> Tensor:
+def attend_segment(attend_fn, s: Segment, q: Tensor, k: Tensor, v: Tensor, cache: LayerKV, scale: float) -> Tensor:
     """One sequence's rows of q, k, v [1, heads, T, D] (all of them when it is the only one): its k, v into
     its cache slot, its queries over that slot -> [1, heads, s.length, D]."""
     if s.length != q.shape[2]:
         q, k, v = (x.narrow(2, s.offset, s.length) for x in (q, k, v))
-    cache.write(layer, s.rows, k, v, s.slot)
-    k_all, v_all = cache.read(layer, s.kv_len, s.slot)  # [1, KVH, L, D]
+    cache.write(s.rows, k, v, s.slot)
+    k_all, v_all = cache.read(s.kv_len, s.slot)  # [1, KVH, L, D]
     return attend_fn(q, k_all, v_all, s.tree_mask, s.rows[0], scale)
 
 
-def attend_slots(attend_fn, batch: SlotBatch, q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int,
-                 scale: float) -> Tensor:
+def attend_slots(attend_fn, batch: SlotBatch, q: Tensor, k: Tensor, v: Tensor, cache: LayerKV, scale: float) -> Tensor:
     """A SlotBatch's attention in one layer: q, k, v [1, heads, S*T, D] (slot s's rows at s*T) -> k, v into
     their slots (one scatter), every slot's queries over its own cache rows in ONE call of `attend_fn`
     (the op, batched: block-diagonal) -> [1, heads, S*T, D]."""
     slots, t = batch.masks.shape[:2]
-    cache.write_slots(layer, batch.rows, k, v)
-    k_all, v_all = cache.read_slots(layer, slots, batch.kv_len)  # [S, KVH, L, D]
+    cache.write_slots(batch.rows, k, v)
+    k_all, v_all = cache.read_slots(slots, batch.kv_len)  # [S, KVH, L, D]
     qs = q[0].unflatten(1, (slots, t)).transpose(0, 1)  # [S, H, T, D]
     out = attend_fn(qs, k_all, v_all, batch.masks, batch.rows[:, 0], scale)  # [S, H, T, D]
     return out.transpose(0, 1).flatten(1, 2)[None]  # [1, H, S*T, D]
@@ -169,7 +169,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.scale = float(getattr(hf_attn, "scaling", head_dim**-0.5))
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, segments: "tuple[Segment, ...] | SlotBatch"):
+    def forward(self, x, cos, sin, cache: LayerKV, segments: "tuple[Segment, ...] | SlotBatch"):
         t = x.shape[1]
         q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q = q.view(1, t, self.n_heads, self.head_dim)  # [1, T, H, D]
@@ -179,7 +179,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, H, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend_pass(self.attend, segments, q, k, v, cache, layer, self.scale)  # [1, H, T, D]
+        out = attend_pass(self.attend, segments, q, k, v, cache, self.scale)  # [1, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(1, t, self.n_heads * self.head_dim))
 
 
@@ -217,9 +217,25 @@ class Block(nn.Module):
         ours = (plan is not None or fuse or exact is not None) and gated
         self.mlp = MLP(mlp, plan, rows, fuse, exact) if ours else mlp
 
-    def forward(self, h, cos, sin, cache, layer, segments):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, segments)
+    def forward(self, h, cos, sin, k_cache: Tensor, v_cache: Tensor, segments):
+        """h [1, T, H] -> [1, T, H]; the layer's cache buffers k_cache, v_cache [slots, KVH, L, D] (`LayerKV`)
+        are written in place."""
+        cache = LayerKV(k_cache, v_cache)
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, segments)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def run_block(block: Block, h, cos, sin, k_cache, v_cache, segments):
+    """`block(h, ...)`: one function for every layer, the layer and its cache buffers its arguments (what
+    `torch.compiler.nested_compile_region` reuses: `TargetDecoder`'s `regions`)."""
+    return block(h, cos, sin, k_cache, v_cache, segments)
+
+
+@functools.cache
+def block_region():
+    """`run_block` as a nested compile region: torch.compile traces and compiles one layer per input shape and
+    stamps it out for the others; in eager calls it is `run_block` itself."""
+    return torch.compiler.nested_compile_region(run_block)
 
 
 class TargetDecoder(nn.Module):
@@ -238,12 +254,16 @@ class TargetDecoder(nn.Module):
     (`glance_rt.models.exact`): every call but a prefill (`prefill=True`) runs `exact_stack` and
     `exact_head`, whose rows each get the bits a one-row call gives them; prefill keeps the plan's.
     `slots`: sequences the cache holds at once (`KVCache`); `forward` runs one (`slot`), `forward_batch`
-    several in one pass.
+    several in one pass. `regions`: each layer runs as one nested compile region (`block_region`), so
+    torch.compile traces and compiles one layer per shape instead of every layer of every graph (the compile
+    backend's choice; an exported graph keeps its layers inline: export would carry the region as a
+    higher-order op that ONNX and engines do not take).
     """
 
     def __init__(self, parts, max_len: int, feature_layers: tuple[int, ...] = (), plan: KernelPlan | None = None,
-                 fuse: bool = False, exact: ExactNumerics | None = None, slots: int = 1):
+                 fuse: bool = False, exact: ExactNumerics | None = None, slots: int = 1, regions: bool = False):
         super().__init__()
+        self.run_block = block_region() if regions else run_block  # (made here: not inside a trace)
         cfg = parts.text_config
         tm = parts.text_model
         n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -305,7 +325,8 @@ class TargetDecoder(nn.Module):
         exact = self.exact_stack is not None and not prefill
         layers = self.exact_stack if exact else self.stacks[class_index(embeds.shape[1], self.row_classes)]  # (static)
         for i, layer in enumerate(layers):
-            h = layer(h, cos, sin, self.cache, i, segments)
+            kv = self.cache.layer(i)
+            h = self.run_block(layer, h, cos, sin, kv.k, kv.v, segments)
             if i in self.feature_layers:
                 feats[i] = h
         last = len(layers) - 1

@@ -151,7 +151,7 @@ class DraftPass(nn.Module):
         scale = d.config.head_dim**-0.5
 
         def attend(i: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # the block's rows join the cache
-            return attend_pass(attend_tree, seqs, q, k, v, self.cache, i, scale)  # [1, nh, n*B, D]
+            return attend_pass(attend_tree, seqs, q, k, v, self.cache.layer(i), scale)  # [1, nh, n*B, D]
 
         # all B rows through the head, then drop row 0 (a GEMM of B rows is the faster shape);
         # draft numerics never affect the output, only acceptance

@@ -250,7 +250,7 @@ class Decoder:
         verify_rows = tuple(b + 1 for b in self.budgets)
         exact = ExactNumerics(static=self.backend.name != "eager", tuner=tuner) if numerics == "exact" else None
         self.verifier, self.drafter = round_modules(target, drafter, max_length, verify_rows, kernels,
-                                                    self.backend.fuse, exact, max_batch)
+                                                    self.backend.fuse, exact, max_batch, self.backend.regions)
         self.grows_tree = isinstance(self.drafter, Eagle3Pass)  # its own tree (EAGLE-3), else build_tree's
         vocab = getattr(self.drafter, "draft_vocab", None)  # draft-logit column -> token id, or None
         self.draft_vocab = None if vocab is None else vocab.cpu().numpy()

@@ -589,7 +589,7 @@ def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
 
 
 def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], kernels, fuse: bool | None = None,
-                  exact: ExactNumerics | None = None, slots: int = 1):
+                  exact: ExactNumerics | None = None, slots: int = 1, regions: bool = False):
     """The modules a round runs, over `target`'s weights: (TargetDecoder with a `max_len`-row cache,
     the draft pass or None). A `GlanceDrafter` becomes a `DraftPass` (shared embeddings and lm_head);
     other drafter objects (the eager protocol) are used as they are. `kernels`: None (the plain
@@ -599,7 +599,7 @@ def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], k
     weights' q, k, v and gate, up as one GEMM each (`TargetDecoder`); None: on a GPU, where a small
     GEMM costs a launch (the CPU's kernels are chosen by timing instead). `exact`: exact numerics
     in the verifier's decode passes (`glance_rt.models.exact`). `slots`: sequences the caches hold at once
-    (`glance_rt.round.batch`)."""
+    (`glance_rt.round.batch`). `regions`: the verifier's layers as compile regions (`TargetDecoder`)."""
     if isinstance(drafter, GlanceDrafter):
         check_compatible(drafter.config, target)
     if isinstance(drafter, Eagle3Drafter):
@@ -620,7 +620,7 @@ def round_modules(target, drafter, max_len: int, verify_rows: tuple[int, ...], k
     if fuse is None:
         fuse = target.parts.lm_head.weight.is_cuda
     verifier = TargetDecoder(target.parts, max_len, layers, plan=verify_plan, fuse=fuse and verify_plan is None,
-                             exact=exact, slots=slots)
+                             exact=exact, slots=slots, regions=regions)
     return verifier, drafter
 
 
@@ -647,13 +647,15 @@ class Backend:
     """How a Decoder's passes run. `passes(verifier, draft)` builds them; `prefill_inputs(target)`
     (None: the target's own) turns a request's inputs into the prompt's embeddings (an engine may
     bring vision graphs); `prepack` False: the passes run the plain weights (engines); `fuse`: the
-    plain weights' q, k, v and gate, up run as one GEMM each (None: on a GPU; `round_modules`)."""
+    plain weights' q, k, v and gate, up run as one GEMM each (None: on a GPU; `round_modules`); `regions`: the
+    verifier's layers as nested compile regions (torch.compile's backend: `TargetDecoder`)."""
 
     name: str
     passes: Callable
     prefill_inputs: Callable | None = None
     prepack: bool = True
     fuse: bool | None = None
+    regions: bool = False
 
 
 def static_passes(make_fns: Callable, chunk: int, exact_prefill: bool = False) -> Callable:
@@ -699,6 +701,7 @@ def named_backend(name: str, chunk: int = 64, cuda_graphs: str = "trees") -> Bac
     if name == "eager":
         return Backend("eager", EagerPasses)
     if name == "compile":
-        return Backend("compile", static_passes(functools.partial(compiled_fns, cuda_graphs=cuda_graphs), chunk))
+        return Backend("compile", static_passes(functools.partial(compiled_fns, cuda_graphs=cuda_graphs), chunk),
+                       regions=True)
     raise GlanceError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)} "
                       "(built engines load with Decoder.from_engine)")
