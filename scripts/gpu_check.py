@@ -663,7 +663,7 @@ def lossless_section(run: Run) -> dict:
             vlm = arch in VLM_ARCHS
             prompts = [("Describe it.", 1 if vlm else 0, 24), ("Hi", 0, 30),
                        ("Count the objects, then name their colours.", 2 if vlm else 0, 20)]
-            ok, graphs, device_rounds, device_steps = True, [], 0, 0
+            ok, graphs, device_rounds, device_steps, skips = True, [], 0, 0, cudagraph_skips()
             for prompt, n_images, new in prompts:
                 inputs = make_inputs(arch, processor, prompt=prompt, n_images=n_images, seed=new)
                 inputs = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -678,6 +678,7 @@ def lossless_section(run: Run) -> dict:
                 entry["device_rounds"] = device_rounds  # drafted rounds run as one graph (default on CUDA)
                 entry["device_steps"] = device_steps  # and AR steps
                 entry["cuda_graphs"], entry["regions"] = run.args.cuda_graphs, run.regions
+                entry["cudagraph_skips"] = cudagraph_skips() - skips  # (trees only: the runner captures itself)
                 if dev.type == "cuda" and run.args.cuda_graphs == "runner":  # captured graphs were replayed
                     entry["replays"] = {n: f.replays for n, f in dec.passes.fns.items()}
             res[f"{arch}/{backend}"] = entry
@@ -739,6 +740,14 @@ def unique_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
+
+
+def cudagraph_skips() -> int:
+    """Graphs Inductor compiled for CUDA graph trees but runs without them (it logs "skipping cudagraphs due
+    to ..."): a pass that would silently lose its CUDA graph ("reduce-overhead", e.g. over compile regions)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
 
 
 # ----------------------------------------------------------------------------------------------- timings
@@ -922,8 +931,11 @@ def cuda_graphs_ab(run: Run, target, drafter, mode: str, ar_ms) -> dict:
     out = {mode: ar_ms}
     try:
         torch._dynamo.reset()
+        skips = cudagraph_skips()
         fns = pass_fns(run, target, drafter, compile_backend(other, regions=run.regions), [1])
         out[other] = 1e3 * run.timed(fns["ar_step"])
+        if other == "trees":  # a skipped CUDA graph would time the trees without them
+            out["trees_cudagraph_skips"] = cudagraph_skips() - skips
     except Exception as e:  # recorded: the main figures stand
         traceback.print_exc()
         out[other] = f"{type(e).__name__}: {e}"
@@ -947,7 +959,7 @@ def model_figures(run: Run, cfg: dict, dtype, budgets, profile: bool, exact_afte
     eager = pass_fns(run, target, drafter, "eager", budgets)
     fig["eager"] = pass_figures(run, eager if run.args.eager_passes else {"ar_step": eager["ar_step"]})
     del eager
-    t, mode, regions = time.perf_counter(), run.args.cuda_graphs, run.regions
+    t, mode, regions, skips = time.perf_counter(), run.args.cuda_graphs, run.regions, cudagraph_skips()
     # on CUDA a failure is a finding, and the figures still come: compile regions off first (not yet run on a
     # GPU), then the trees for the runner; each failure in `compile_errors`
     fallbacks = [(mode, False)] if regions else []
@@ -965,6 +977,8 @@ def model_figures(run: Run, cfg: dict, dtype, budgets, profile: bool, exact_afte
             mode, regions = fallbacks.pop(0)
             torch._dynamo.reset()
     fig["cuda_graphs"], fig["regions"] = mode, regions
+    if mode == "trees":  # graphs compiled for the trees but run without CUDA graphs (should be 0)
+        fig["trees_cudagraph_skips"] = cudagraph_skips() - skips
     fig["compile"]["wall_s"] = round(time.perf_counter() - t, 1)
     print("compile", mode, json.dumps(fig["compile"]), flush=True)
     if profile and run.left() > run.args.floor:
@@ -974,7 +988,10 @@ def model_figures(run: Run, cfg: dict, dtype, budgets, profile: bool, exact_afte
     del fns
     fig["hf_static"] = hf_step(run, target) if run.left() > run.args.floor else "skipped: deadline"
     if run.left() > run.args.floor + AB_S:  # (--cpu: both are plain compiled passes; checks the code)
-        fig["ar_step_ms_by_cuda_graphs"] = cuda_graphs_ab(run, target, drafter, mode, fig["compile"].get("ar_step_ms"))
+        ab = cuda_graphs_ab(run, target, drafter, mode, fig["compile"].get("ar_step_ms"))
+        if "trees_cudagraph_skips" in ab:
+            fig["trees_cudagraph_skips"] = ab.pop("trees_cudagraph_skips")
+        fig["ar_step_ms_by_cuda_graphs"] = ab
     if exact_after is not None and run.left() > exact_after + EXACT_S:
         torch._dynamo.reset()
         fig["compile_exact"] = exact_figures(run, target, drafter, 64 if 64 in budgets else max(budgets))
