@@ -24,12 +24,6 @@ class LayerKV:
     def __init__(self, k: Tensor, v: Tensor):
         self.k, self.v = k, v
 
-    def of_slot(self, slot: int = 0) -> tuple[Tensor, Tensor]:
-        """k, v of one slot: [1, KVH, L, D] each."""
-        if self.k.shape[0] == 1:  # one slot (or, traced for export, slot 0's tensor alone)
-            return self.k, self.v
-        return self.k[slot : slot + 1], self.v[slot : slot + 1]
-
     def write(self, rows: Tensor, k: Tensor, v: Tensor, slot: int = 0) -> None:
         """Write k, v [1, KVH, T, D] at cache rows `rows` [T] of `slot` in place (distinct, or a row repeated
         with the same k, v: a padded chunk)."""
@@ -55,7 +49,9 @@ class LayerKV:
     def read(self, kv_len: int, slot: int = 0) -> tuple[Tensor, Tensor]:
         """k, v over rows [0, kv_len) of `slot`: [1, KVH, kv_len, D]. Eager passes read only the rows written
         so far; static passes read all L rows (a fixed shape)."""
-        kc, vc = self.of_slot(slot)
+        kc, vc = self.k, self.v
+        if kc.shape[0] > 1:  # several slots: this one's (one slot, or slot 0's alone in an export trace: all of it)
+            kc, vc = kc[slot : slot + 1], vc[slot : slot + 1]
         if kv_len == kc.shape[2]:
             return kc, vc
         return kc[:, :, :kv_len], vc[:, :, :kv_len]
@@ -68,7 +64,8 @@ class KVCache(nn.Module):
     slots 0..S-1 a dense [S, KVH, L, D], the op's batched layout, a view). Rows are addressed by token
     index within a slot; rejected scratch rows are simply overwritten later. Every method takes the slot
     it works on (0 by default). Writes are in-place scatters into the whole buffer whatever the slot
-    (what compilers want of a cache); reads of slots are slices of it. `layer(i)`: layer i's (`LayerKV`)."""
+    (what compilers want of a cache); reads of slots are slices of it. `layer(i)`: layer i's buffers and
+    what a pass does with them (`LayerKV`)."""
 
     def __init__(self, layers: int, kv_heads: int, max_len: int, head_dim: int, dtype, device, slots: int = 1):
         super().__init__()
@@ -86,15 +83,6 @@ class KVCache(nn.Module):
     def layer(self, layer: int) -> LayerKV:
         """Layer `layer`'s whole k, v buffers [slots, KVH, max_len, D]."""
         return LayerKV(getattr(self, f"k{layer}"), getattr(self, f"v{layer}"))
-
-    def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor, slot: int = 0) -> None:
-        self.layer(layer).write(rows, k, v, slot)
-
-    def write_slots(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
-        self.layer(layer).write_slots(rows, k, v)
-
-    def read(self, layer: int, kv_len: int, slot: int = 0) -> tuple[Tensor, Tensor]:
-        return self.layer(layer).read(kv_len, slot)
 
     def move_rows(self, src: Tensor, dst_start: Tensor | int, slot: int = 0) -> None:
         """Copy rows `src` [k] (every layer, one slot) to `[dst_start, dst_start + k)`: the commit's

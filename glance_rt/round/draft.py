@@ -101,14 +101,14 @@ class DraftPass(nn.Module):
         rows = [start + torch.arange(f.shape[0], device=f.device) for _, f, start in items]  # [m_i] each
         for i, k, v in self._context_kv(_cat([f for _, f, _ in items], 0), _cat(rows, 0)):
             for (slot, _, _), r, (k_i, v_i) in zip(items, rows, _split((k, v), [len(r) for r in rows]), strict=True):
-                self.cache.write(i, r, k_i, v_i, slot)
+                self.cache.layer(i).write(r, k_i, v_i, slot)
 
     def slot_contexts(self, ctx: Tensor, ctx_start: Tensor) -> None:
         """`contexts` of cache slots 0..S-1, m rows each: ctx [S, m, F], ctx_start [S] (one scatter per layer;
         no loop over the slots, so S can be symbolic)."""
         rows = ctx_start[:, None] + torch.arange(ctx.shape[1], device=ctx.device)  # [S, m]
         for i, k, v in self._context_kv(ctx.flatten(0, 1), rows.flatten()):
-            self.cache.write_slots(i, rows, k, v)
+            self.cache.layer(i).write_slots(rows, k, v)
 
     def _context_kv(self, feats: Tensor, rows: Tensor):
         """Context rows feats [m, F] at token indices rows [m] -> (layer, k, v [1, nkv, m, D]) per layer."""

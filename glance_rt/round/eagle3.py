@@ -80,8 +80,9 @@ class Eagle3Pass(nn.Module):
         length = visible.shape[1]
 
         def attend(q, k, v):  # q [1, nh, T, D]; k, v [1, nkv, T, D]
-            self.cache.write(0, cache_rows, k, v)
-            keys, values = (kv.repeat_interleave(self.groups, 1) for kv in self.cache.read(0, length))  # [1, nh, L, D]
+            kv = self.cache.layer(0)
+            kv.write(cache_rows, k, v)
+            keys, values = (x.repeat_interleave(self.groups, 1) for x in kv.read(length))  # [1, nh, L, D]
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[None, None])
 
         h = head.step(self.embed_tokens(tokens)[None], states[None], cos, sin, attend)  # [1, T, H]
