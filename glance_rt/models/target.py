@@ -217,18 +217,22 @@ class Block(nn.Module):
         ours = (plan is not None or fuse or exact is not None) and gated
         self.mlp = MLP(mlp, plan, rows, fuse, exact) if ours else mlp
 
-    def forward(self, h, cos, sin, k_cache: Tensor, v_cache: Tensor, segments):
-        """h [1, T, H] -> [1, T, H]; the layer's cache buffers k_cache, v_cache [slots, KVH, L, D] (`LayerKV`)
-        are written in place."""
-        cache = LayerKV(k_cache, v_cache)
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, segments)
+    def forward(self, h, x, cos, sin, k_cache: Tensor, v_cache: Tensor, segments):
+        """h [1, T, H] (the residual stream) and x = `input_layernorm(h)` -> the layer's output [1, T, H]; the
+        layer's cache buffers k_cache, v_cache [slots, KVH, L, D] (`LayerKV`) are written in place."""
+        h = h + self.self_attn(x, cos, sin, LayerKV(k_cache, v_cache), segments)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def run_block(block: Block, h, cos, sin, k_cache, v_cache, segments):
-    """`block(h, ...)`: one function for every layer, the layer and its cache buffers its arguments (what
-    `torch.compiler.nested_compile_region` reuses: `TargetDecoder`'s `regions`)."""
-    return block(h, cos, sin, k_cache, v_cache, segments)
+def run_block(block: Block, next_norm: nn.Module | None, h, x, cos, sin, k_cache, v_cache, segments):
+    """One layer, from its normed input x = `block.input_layernorm(h)` to its output h and the next layer's
+    normed input `next_norm(h)` (the last layer: no next_norm, None; the final norm stays with the logit rows). One
+    function for every layer, the layer and its cache buffers its arguments: what
+    `torch.compiler.nested_compile_region` reuses (`TargetDecoder`'s `regions`). A region ends after the
+    next layer's norm so that the residual add and that norm still fuse into one kernel, as they do with
+    the layers inline."""
+    h = block(h, x, cos, sin, k_cache, v_cache, segments)
+    return h, (next_norm(h) if next_norm is not None else None)
 
 
 @functools.cache
@@ -324,9 +328,11 @@ class TargetDecoder(nn.Module):
         h, feats = embeds, {}
         exact = self.exact_stack is not None and not prefill
         layers = self.exact_stack if exact else self.stacks[class_index(embeds.shape[1], self.row_classes)]  # (static)
+        x = layers[0].input_layernorm(h)  # each layer's normed input comes from the layer before (`run_block`)
         for i, layer in enumerate(layers):
             kv = self.cache.layer(i)
-            h = self.run_block(layer, h, cos, sin, kv.k, kv.v, segments)
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+            h, x = self.run_block(layer, next_norm, h, x, cos, sin, kv.k, kv.v, segments)
             if i in self.feature_layers:
                 feats[i] = h
         last = len(layers) - 1
