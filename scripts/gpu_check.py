@@ -850,8 +850,10 @@ def profile_table(run: Run, fns: dict, rows: int = 15, reps: int = 5) -> dict:
         if cuda:  # every kernel and copy on the device, per call: the wall time less this is the GPU's idle time
             from torch.autograd import DeviceType
 
-            device_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
-            out[f"{name}_device_us_per_call"] = round(device_us / reps, 1)
+            on_device = [e for e in events if e.device_type == DeviceType.CUDA]
+            out[f"{name}_device_us_per_call"] = round(sum(e.self_device_time_total for e in on_device) / reps, 1)
+            # launches per call (kernels and copies): what the gaps between them scale with
+            out[f"{name}_device_ops_per_call"] = round(sum(e.count for e in on_device) / reps, 1)
     return out
 
 
