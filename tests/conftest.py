@@ -121,6 +121,9 @@ def vocab_drafter(target, size: int, seed: int = 5, **kw):
     return d
 
 
+DOT_K_STEP = 16  # the interpreter's dot reduces K in steps of this many (`interpreter_dot`), as an MMA walks K
+
+
 @pytest.fixture(autouse=True)
 def interpreter_dot(monkeypatch):
     """Two fixes to Triton 3.9's interpreter's `tl.dot` (`create_dot`: np.matmul of the two tiles).
@@ -129,8 +132,12 @@ def interpreter_dot(monkeypatch):
     np.matmul of a tile hands it to the host's BLAS, whose GEMM may give a tile's tail rows another
     micro-kernel and so other bits (numpy's OpenBLAS on a 2-core AMD EPYC: a row at places 6-15 of a
     16-row tile got other bits than at place 0, so a row's bits depended on its place in the tile):
-    multiply each row of the tile alone, as a GPU's MMA computes every row of a tile the same way, so
-    what the tests check is the kernel's order of summation, not the host BLAS's."""
+    multiply each row of the tile alone, as a GPU's MMA computes every row of a tile the same way. The
+    host's GEMV also blocks the reduction by its length K: on a 2-core AMD EPYC with AVX-512 (family 25),
+    a row times a [64, N] tile whose last rows are zeros gave other bits than the same row times its first
+    32 rows, where a GPU adds the zero K steps as exact +0. So each row's product runs in K steps of
+    `DOT_K_STEP`, accumulated in order, as an MMA walks K: what the tests check is the kernel's order of
+    summation, not the host BLAS's."""
     if torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
         return
     import triton.language as tl
@@ -146,9 +153,14 @@ def interpreter_dot(monkeypatch):
             a, b = up(a), up(b)
         if a.data.ndim != 2:
             return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-        rows = [dot(self, interpreter.TensorHandle(a.data[i : i + 1], a.dtype.scalar), b,
-                    interpreter.TensorHandle(d.data[i : i + 1], d.dtype.scalar), input_precision,
-                    max_num_imprecise_acc).data for i in range(a.data.shape[0])]
-        return interpreter.TensorHandle(np.concatenate(rows), d.dtype.scalar)
+        k = a.data.shape[1]
+        step = DOT_K_STEP if k % DOT_K_STEP == 0 else k
+        acc = d.data
+        for s in range(0, k, step):  # [M, N] += a[:, s:s+step] @ b[s:s+step], row by row
+            part = interpreter.TensorHandle(b.data[s : s + step], b.dtype.scalar)
+            acc = np.concatenate([dot(self, interpreter.TensorHandle(a.data[i : i + 1, s : s + step], a.dtype.scalar),
+                                      part, interpreter.TensorHandle(acc[i : i + 1], d.dtype.scalar), input_precision,
+                                      max_num_imprecise_acc).data for i in range(a.data.shape[0])])
+        return interpreter.TensorHandle(acc, d.dtype.scalar)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
