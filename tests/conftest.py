@@ -155,12 +155,14 @@ def interpreter_dot(monkeypatch):
             return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
         k = a.data.shape[1]
         step = DOT_K_STEP if k % DOT_K_STEP == 0 else k
-        acc = d.data
-        for s in range(0, k, step):  # [M, N] += a[:, s:s+step] @ b[s:s+step], row by row
-            part = interpreter.TensorHandle(b.data[s : s + step], b.dtype.scalar)
-            acc = np.concatenate([dot(self, interpreter.TensorHandle(a.data[i : i + 1, s : s + step], a.dtype.scalar),
-                                      part, interpreter.TensorHandle(acc[i : i + 1], d.dtype.scalar), input_precision,
-                                      max_num_imprecise_acc).data for i in range(a.data.shape[0])])
-        return interpreter.TensorHandle(acc, d.dtype.scalar)
+        steps = [interpreter.TensorHandle(b.data[s : s + step], b.dtype.scalar) for s in range(0, k, step)]
+        rows = []
+        for i in range(a.data.shape[0]):  # row i: acc [1, N] += a[i, s:s+step] @ b[s:s+step], s in order
+            acc = interpreter.TensorHandle(d.data[i : i + 1], d.dtype.scalar)
+            for j, part in enumerate(steps):
+                row = interpreter.TensorHandle(a.data[i : i + 1, j * step : (j + 1) * step], a.dtype.scalar)
+                acc = dot(self, row, part, acc, input_precision, max_num_imprecise_acc)
+            rows.append(acc.data)
+        return interpreter.TensorHandle(np.concatenate(rows), d.dtype.scalar)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
