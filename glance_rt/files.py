@@ -9,6 +9,15 @@ from pathlib import Path
 from glance_rt.errors import GlanceError
 
 
+def cache_root() -> Path:
+    """glance-rt's cache folder (kernel timings, converted GGUF files): `$GLANCE_RT_CACHE`, else
+    `$XDG_CACHE_HOME/glance-rt`, else `~/.cache/glance-rt`. Anything in it can be deleted at any time."""
+    root = os.environ.get("GLANCE_RT_CACHE")
+    if root is None:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "glance-rt"
+    return Path(root)
+
+
 def atomic_write(path: Path, write) -> None:
     """`write(tmp_path)` then rename onto `path`: readers see the old file or the complete new one."""
     path = Path(path)

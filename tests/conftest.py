@@ -10,8 +10,11 @@ import torch
 from glance_rt.hf.arch import extend_inputs  # noqa: F401  (re-exported for tests)
 
 torch.set_num_threads(2)
-# kernel timings (glance_rt.models.kernels) go to a cache of this test session, not the user's
-os.environ.setdefault("GLANCE_RT_CACHE", tempfile.mkdtemp(prefix="glance-rt-test-cache-"))
+# kernel timings and converted GGUF files (glance_rt.files.cache_root) go to a cache of this test session, not
+# the user's; removed when the session ends (its converted default target is half a GB)
+SESSION_CACHE = None if "GLANCE_RT_CACHE" in os.environ else tempfile.mkdtemp(prefix="glance-rt-test-cache-")
+if SESSION_CACHE is not None:
+    os.environ["GLANCE_RT_CACHE"] = SESSION_CACHE
 if not torch.cuda.is_available():  # Triton kernels run on CPU tensors through its interpreter (read at triton import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -22,6 +25,13 @@ def has_cuda() -> bool:
 
 def has_tensorrt() -> bool:
     return importlib.util.find_spec("tensorrt") is not None
+
+
+def pytest_unconfigure(config):
+    if SESSION_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(SESSION_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -116,3 +116,49 @@ def test_shipped_drafter_onnxruntime_engine_matches_hf(cases, tmp_path):
     engine = glance_rt.Decoder.from_engine(tmp_path / "onnx", target, drafter)
     for inputs, ref in items:
         assert engine.generate(max_new_tokens=NEW, **inputs).token_ids == ref
+
+
+def test_gguf_loads_from_its_converted_copy_as_from_the_file(tmp_path, monkeypatch):
+    """The first load of a GGUF keeps a converted folder; later loads read it: the same tensors, config,
+    generation config and tokenizer as converting the file. A damaged copy is converted again."""
+    import torch
+
+    from glance_rt.errors import GlanceWarning
+    from glance_rt.hf.embedded import default_gguf_path
+    from glance_rt.hf.target import gguf_cache_folder
+
+    monkeypatch.setenv("GLANCE_RT_CACHE", str(tmp_path))
+    direct = glance_rt.load_target(None, gguf_cache=False)
+    assert not (tmp_path / "gguf").exists()
+    glance_rt.load_target(None)  # converts and keeps the copy
+    folder = gguf_cache_folder(default_gguf_path(), torch.float32)
+    assert [p.name for p in (tmp_path / "gguf").iterdir()] == [folder.name]  # no half-written folder beside it
+    cached = glance_rt.load_target(None)
+    assert cached.hf_model.config._name_or_path == str(folder)  # read from the copy, not the GGUF
+
+    def same(a, b):
+        sa, sb = a.hf_model.state_dict(), b.hf_model.state_dict()
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+        ca, cb = a.hf_model.config.to_dict(), b.hf_model.config.to_dict()
+        for c in (ca, cb):
+            c.pop("_name_or_path"), c.pop("quantization_config", None)
+        assert ca == cb
+        assert a.hf_model.generation_config.to_dict() == b.hf_model.generation_config.to_dict()
+        assert (a.name, a.eos_token_ids, a.vocab_size) == (b.name, b.eos_token_ids, b.vocab_size)
+        ta, tb = a.tokenizer, b.tokenizer
+        assert ta.chat_template == tb.chat_template and ta.all_special_ids == tb.all_special_ids
+        for text in ["Copy exactly: 7 votes, März 3rd — 数字 ✓", "def f(x):\n\treturn x ** 2  # <|im_end|>"]:
+            assert ta(text)["input_ids"] == tb(text)["input_ids"]
+            assert a.encode_chat(text)["input_ids"].tolist() == b.encode_chat(text)["input_ids"].tolist()
+        tied = a.hf_model.lm_head.weight.data_ptr() == a.hf_model.model.embed_tokens.weight.data_ptr()
+        assert tied == (b.hf_model.lm_head.weight.data_ptr() == b.hf_model.model.embed_tokens.weight.data_ptr())
+
+    same(direct, cached)
+    inputs = direct.encode_chat(PROMPTS[0])
+    assert hf_greedy(cached.hf_model, inputs, 8) == hf_greedy(direct.hf_model, inputs, 8)
+
+    (folder / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.warns(GlanceWarning, match="converting the GGUF file again"):
+        again = glance_rt.load_target(None)
+    same(direct, again)
+    assert glance_rt.load_target(None).hf_model.config._name_or_path == str(folder)  # the copy mended

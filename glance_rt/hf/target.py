@@ -1,14 +1,17 @@
 """The target model: a Hugging Face model (text LLM or VLM), its processor, and what glance-rt
 needs to know about it. `load_target` is the one way in."""
 
+import hashlib
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from glance_rt.errors import GlanceError
+from glance_rt.errors import GlanceError, GlanceWarning
+from glance_rt.files import atomic_folder, cache_root
 from glance_rt.hf.arch import SUPPORTED, capture_prefill, text_parts
 from glance_rt.hf.processors import load_processor
 
@@ -103,7 +106,11 @@ def from_model(hf_model, processor=None, name: str | None = None) -> Target:
     return Target(name, hf_model, parts, processor, tokenizer, _eos_ids(hf_model))
 
 
-def _load_gguf(path: Path, dtype: torch.dtype):
+GGUF_CACHE_FORMAT = 1  # bump when what a converted folder holds changes
+
+
+def _read_gguf(path: Path, dtype: torch.dtype):
+    """The GGUF file through transformers: its tokenizer and the model, de-quantized to `dtype`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -115,6 +122,60 @@ def _load_gguf(path: Path, dtype: torch.dtype):
         raise GlanceError(f"loading GGUF files needs the gguf extra: pip install 'glance-rt[gguf]' ({e})") from e
     except (ValueError, OSError, KeyError) as e:
         raise GlanceError(f"{path} could not be read as a GGUF model ({e})") from e
+    return model, tok
+
+
+def gguf_cache_folder(path: Path, dtype: torch.dtype) -> Path:
+    """Where a GGUF file's converted copy is kept: under `cache_root()/gguf/`, named by the file's
+    SHA-256, the dtype and the transformers and gguf versions that converted it (any change: a new copy)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        versions = [version("transformers"), version("gguf")]
+    except PackageNotFoundError as e:
+        raise GlanceError(f"loading GGUF files needs the gguf extra: pip install 'glance-rt[gguf]' ({e})") from e
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    key = json.dumps([GGUF_CACHE_FORMAT, h.hexdigest(), str(dtype), *versions])
+    return cache_root() / "gguf" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _write_converted(model, tok, folder: Path) -> None:
+    """The de-quantized model as a Hugging Face folder: safetensors, config (without the GGUF
+    quantization entry: the weights in it are plain tensors), generation config, tokenizer files."""
+    from safetensors.torch import save_model
+
+    save_model(model, str(folder / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    model.generation_config.save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, cache: bool):
+    """A GGUF model and its tokenizer. Converting one (parsing, de-quantizing) takes transformers tens of
+    seconds, so the result is kept as a Hugging Face folder (`gguf_cache_folder`) and later loads read
+    that: the same tensors, config and tokenizer. The folder appears whole or not at all."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = gguf_cache_folder(path, dtype) if cache else None
+    if folder is not None and folder.is_dir():
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+            return model, AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        except Exception as e:  # a damaged copy raises what its reader raises (safetensors, tokenizers)
+            warnings.warn(f"the converted copy of {path} in {folder} could not be read ({e}); converting the "
+                          "GGUF file again", GlanceWarning, stacklevel=3)
+    model, tok = _read_gguf(path, dtype)
+    if folder is not None:
+        try:
+            atomic_folder(folder, lambda tmp: _write_converted(model, tok, tmp))
+        except OSError as e:  # an unwritable cache costs the next load a conversion, nothing else
+            warnings.warn(f"could not keep a converted copy of {path} in {folder} ({e}); set GLANCE_RT_CACHE to "
+                          "a writable folder to load it faster next time", GlanceWarning, stacklevel=3)
     return model, tok
 
 
@@ -141,10 +202,11 @@ def _load_folder(path: Path, dtype: torch.dtype):
     return model, processor
 
 
-def load_target(source=None, dtype="float32", device="cpu", processor=None) -> Target:
+def load_target(source=None, dtype="float32", device="cpu", processor=None, gguf_cache: bool = True) -> Target:
     """Load a target: None (the embedded SmolLM2-135M-Instruct), a local Hugging Face model folder
     (safetensors), a GGUF file, or a transformers model already in memory (pass its processor).
-    Never downloads."""
+    Never downloads. A GGUF file's first load keeps a converted copy in glance-rt's cache folder
+    (`gguf_cache=False`: neither read nor write it)."""
     from glance_rt.hf.embedded import DEFAULT_NAME, default_gguf_path
 
     if isinstance(dtype, str):
@@ -157,7 +219,7 @@ def load_target(source=None, dtype="float32", device="cpu", processor=None) -> T
         path = default_gguf_path() if source is None else Path(source).expanduser()
         name = DEFAULT_NAME if source is None else path.stem
         if path.is_file() and path.suffix == ".gguf":
-            model, proc = _load_gguf(path, dtype)
+            model, proc = _load_gguf(path, dtype, gguf_cache)
         elif path.is_dir():
             model, proc = _load_folder(path, dtype)
         else:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glance_rt.errors import GlanceWarning
-from glance_rt.files import atomic_write
+from glance_rt.files import atomic_write, cache_root
 from glance_rt.models.linear import PackedLinear, TransposedLinear, can_pack
 
 # mkl: torch's own linear (MKL's GEMM over the weight [out, in] as it lies); mkl_t: MKL's GEMM over a
@@ -102,11 +102,8 @@ def machine_key(m: dict) -> str:
 
 
 def default_cache_path() -> Path:
-    """`$GLANCE_RT_CACHE/kernels.json`, else `$XDG_CACHE_HOME/glance-rt/`, else `~/.cache/glance-rt/`."""
-    root = os.environ.get("GLANCE_RT_CACHE")
-    if root is None:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "glance-rt"
-    return Path(root) / "kernels.json"
+    """`kernels.json` in `glance_rt.files.cache_root()`."""
+    return cache_root() / "kernels.json"
 
 
 # ----------------------------------------------------------------------------- timing
