@@ -30,7 +30,7 @@ def static_decoder(target, drafter, chunk: int, oracle=None, spy=None, fuse=None
             return out if oracle is None else oracle(None, 0, int(bonus), int(block_start))
 
         graphs.draft = wrapped
-        return {n: getattr(graphs, n) for n in (*GRAPHS, "round", "step")}
+        return {n: getattr(graphs, n) for n in (*GRAPHS, "round", "lookup", "step")}
 
     return glance_rt.Decoder(target, drafter, backend=Backend("static", static_passes(fns, chunk), fuse=fuse), **kw)
 
@@ -333,6 +333,63 @@ def test_device_round_grafts_the_lookup_chain():
     assert out.run == ref[1:8] and len(out.path) == 7
 
 
+def chain_lookup(prefix: int, ref: list[int], until: int):
+    """A `lookup_match` stand-in: for the first `until` tokens an 8-gram match whose chain is the target's
+    own continuation with one token made wrong, at a place that moves from round to round (the chain is
+    accepted up to it); then none."""
+
+    def lookup(history, max_ngram, length):
+        done = len(history) - prefix
+        if done >= until:
+            return 0, []
+        chain = list(ref[done : done + length])
+        wrong = 2 + done % 5
+        if wrong < len(chain):
+            chain[wrong] = (chain[wrong] + 1) % 50
+        return max_ngram, chain
+
+    return lookup
+
+
+@pytest.mark.parametrize("arch,backend", [("llama", "static"), ("qwen2_5_vl", "static"), ("llama", "compile")])
+def test_device_lookup_rounds_equal_host_lookup_rounds(arch, backend, monkeypatch):
+    """A lookup round (a chain that fills the budget: no draft pass) as one graph (the chain's verify and
+    greedy acceptance, one copy in, one back) commits what the host's lookup round commits, round for round,
+    chains accepted up to a wrong token or whole, at the tree's budget and at the lookup budget; the drafted
+    rounds between them and after draft what they draft from the host. Compiled: warmup() builds a lookup
+    graph per chain length, and nothing compiles after it."""
+    import glance_rt.round.loop as dm
+
+    target, _, inputs, ref = case(arch)
+    p = inputs["input_ids"].shape[1]
+    monkeypatch.setattr(dm, "lookup_match", chain_lookup(p, ref, 24))
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=4)
+    kw = {"tree_budget": 6, "lookup": 8, "max_length": 256, "gate": False}
+    runs = {}
+    for device_round in (False, True):
+        if backend == "compile":
+            torch._dynamo.reset()
+            dec = glance_rt.Decoder(target, drafter, backend="compile", chunk=8, device_round=device_round, **kw)
+            if device_round:
+                assert dec._device_lookups() == [6, 7]  # a chain of the tree's 6 rows, or lookup_budget's 7
+                dec.warmup()
+                warm = unique_graphs()
+        else:
+            dec = static_decoder(target, drafter, chunk=5, device_round=device_round, **kw)
+        res = runs[device_round] = dec.generate(max_new_tokens=NEW, **inputs)
+        assert res.token_ids == ref
+        assert (res.stats.timings["tree"] > 0) != device_round  # every round on the device: no host tree
+    if backend == "compile":
+        assert unique_graphs() == warm
+    host, device = runs[False].stats, runs[True].stats
+    assert host.lookup_rounds >= 3 and host.draft_passes > 0
+    assert set(host.budgets) >= {6, 7} and len(set(host.accepted_lengths)) > 1  # both lengths; cut chains
+    for field in ("accepted_lengths", "budgets", "lookup_rounds", "draft_passes"):
+        assert getattr(device, field) == getattr(host, field), field
+    assert device.root_entropy == pytest.approx(host.root_entropy, rel=1e-5)
+    assert device.prior_entropy == pytest.approx(host.prior_entropy, rel=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
 def test_device_steps_equal_host_steps(arch):
     """An autoregressive step as one graph (the one-row verify, argmax and entropy in it; one copy in, one
@@ -395,7 +452,8 @@ def test_compile_device_rounds_never_recompile(drafted):
     before = unique_graphs()
     dec.warmup()
     warm = unique_graphs()
-    assert warm - before == (7 if drafted else 2)  # verify at 1, 7 and 8 (lookup) rows, draft, context, round, step
+    # verify at 1, 7 and 8 (lookup) rows, draft, context, round, lookup rounds of 6 and 7 rows, step
+    assert warm - before == (9 if drafted else 2)
     for prompt, new in [("Hi", 30), ("Count the objects, then name their colours, one by one.", 20)]:
         inputs = make_inputs("llama", processor, prompt=prompt, seed=new)
         res = dec.generate(max_new_tokens=new, **inputs)

@@ -363,9 +363,10 @@ class Decoder:
 
     def _device_round(self, asked: bool | None) -> bool:
         """Whether greedy rounds run as one graph each on the device (drafted rounds: `StaticPasses.round`;
-        autoregressive steps: `StaticPasses.step`): asked True, or None on a CUDA device whose passes have
-        the graphs (compile)."""
-        graphs = ("has_round", "has_step") if self.drafter is not None else ("has_step",)  # the gate's steps too
+        lookup rounds: `StaticPasses.lookup`; autoregressive steps: `StaticPasses.step`): asked True, or None
+        on a CUDA device whose passes have the graphs (compile)."""
+        # a drafter's rounds (drafted, lookup) and the gate's steps; an AR decoder's steps
+        graphs = ("has_round", "has_lookup", "has_step") if self.drafter is not None else ("has_step",)
         able = all(getattr(self.passes, g, False) for g in graphs) and self.max_batch == 1
         if asked and not able:
             raise GlanceError("device_round=True runs each round as one compiled graph: it needs the compile "
@@ -375,11 +376,19 @@ class Decoder:
 
     def _device_budgets(self) -> list[int]:
         """The budgets whose rounds run as one graph on the device: the drafted ones, and 0 (the autoregressive
-        steps) where this decoder takes any; [] without device rounds. (Lookup rounds build their tree on the
-        host.)"""
+        steps) where this decoder takes any; [] without device rounds."""
         if not self.device_round:
             return []
         return [b for b in self.budgets if b == 0 or b in self.drafted_budgets]
+
+    def _device_lookups(self) -> list[int]:
+        """The chain lengths of this decoder's lookup rounds, each one graph on the device ([] without device
+        rounds or lookup): a drafted budget b where the chain is exactly b long, else max(b, lookup_budget)
+        (`sequence`), for each b that a chain can fill (`fills_budget`: b <= max_depth)."""
+        if not (self.device_round and self.lookup):
+            return []
+        fillable = [b for b in self.drafted_budgets if b <= max_depth(self.block)]
+        return sorted({*fillable, *(max(b, self.lookup_budget) for b in fillable)})
 
     def _lookup_budget(self, rows: int | None) -> int:
         """The rows a lookup round verifies (0: no lookup rounds)."""
@@ -405,7 +414,7 @@ class Decoder:
         """Pay the one-time costs now, not in the first request: compile (or load) every graph at
         every budget bucket, so an adaptive budget never compiles mid-request, then run one short
         generation (first-call kernel set-up on every path of the round)."""
-        self.passes.warmup(self.budgets, self.chain, self._device_budgets())
+        self.passes.warmup(self.budgets, self.chain, self._device_budgets(), self._device_lookups())
         block = self.drafter.block_size if self.drafter is not None else 1
         self.generate(max_new_tokens=2 * block + 1, **self.target.encode_chat(prompt))
         return self
@@ -499,10 +508,16 @@ class Decoder:
             drafted = self.drafter is not None and not looked_up
             if drafted and gate is not None:  # a round drafts once pending_rows context rows wait
                 drafted = gate.draft(prior, ngram, must=ctx_feats.shape[0] >= self.pending_rows)
-            on_device = self.device_round and chooser is None and not looked_up
+            if looked_up and len(chain) > budget:  # the whole chain: `rows` of it where it runs past the budget
+                budget = rows
+            on_device = self.device_round and chooser is None
             if on_device:  # one graph, one copy in and one back: a drafted round (draft, tree, verify,
-                # acceptance and compaction) or an autoregressive step (a one-row verify)
-                if drafted:
+                # acceptance and compaction), a lookup round (the chain's verify and acceptance) or an
+                # autoregressive step (a one-row verify)
+                if looked_up:
+                    result = yield Call("lookup", (bonus, block_start, pre.rope_delta, chain[:budget]))
+                    stats.lookup_rounds += 1
+                elif drafted:
                     result = yield Call("round", (ctx_feats, ctx_start, bonus, block_start, pre.rope_delta, budget,
                                                   self.chain, (ngram, chain)))
                     stats.draft_passes += 1
@@ -513,9 +528,7 @@ class Decoder:
                 root_entropy, end_entropy = result.root_entropy, result.end_entropy
                 clock.lap("round" if drafted else "verify")
             else:
-                if looked_up:  # the whole chain: `rows` of it where it runs past the tree's budget
-                    if len(chain) > budget:
-                        budget = rows
+                if looked_up:
                     tree = lookup_tree(bonus, budget, chain)
                     stats.lookup_rounds += 1
                 elif drafted and self.grows_tree:  # EAGLE-3: a draft pass per depth grows the tree

@@ -57,7 +57,7 @@ class EagerPasses:
 
     batches = True  # verify_batch and draft_batch: several sequences' passes as one
 
-    def warmup(self, budgets, chain: bool, rounds=()) -> None:
+    def warmup(self, budgets, chain: bool, rounds=(), lookups=()) -> None:
         """Nothing to compile: exact-length passes run as they come."""
 
     def prefill(self, embeds: Tensor, positions: Tensor, start: int = 0, slot: int = 0) -> tuple[Tensor, Tensor]:
@@ -128,6 +128,7 @@ class StaticGraphs(nn.Module):
     context(ctx [C, F], ctx_start []) -> nothing (writes the drafter's context cache)
     round(ctx [R, F], args [5 + N], chain) -> report [2K+3] float64, accepted features [K, F]: a drafted round
         whole (`round`, K = min(N+1, R))
+    lookup(args [3 + N]) -> report [2K+3] float64, accepted features [K, F]: a lookup round whole (K = N+1)
     step(args [3]) -> report [2] float64, features [1, F]: an autoregressive step whole (`step`)
     """
 
@@ -208,14 +209,23 @@ class StaticGraphs(nn.Module):
         tree = build_tree_device(draft_logits, bonus, lookup_chain.shape[0], chain, vocab, lookup_chain, lookup_len)
         positions = text_positions(tree.depth + block_start, rope_delta, self.verifier.mrope)
         logits, feats, greedy, path = self.verify(tree.tokens, positions, block_start, tree.mask, tree.parent)
-        rows = path.clamp(min=0)  # [K]
-        last = rows.gather(0, (path >= 0).sum().sub(1).view(1))  # [1]: the last accepted row
-        ends = torch.cat([rows[:1], last])  # [2]: the root, the last accepted row
         src = torch.where(path >= 0, block_start + path, block_start + torch.arange(path.shape[0], device=path.device))
         self.verifier.cache.move_rows(src, block_start)  # the accepted rows' KV to [start, start + K)
-        report = torch.cat([path, tree.tokens.index_select(0, rows), greedy.index_select(0, last)])
-        return (torch.cat([report.double(), entropies(logits.index_select(0, ends)).double()]),
-                feats.index_select(0, rows))
+        return accepted_report(tree.tokens, logits, feats, greedy, path)
+
+    def lookup(self, args: Tensor) -> tuple[Tensor, Tensor]:
+        """A lookup round on the device (a prompt-lookup chain that fills the round's budget: no draft pass),
+        with no host sync: verify of the tree root -> chain[0] -> ... -> chain[N-1] (`lookup_tree`'s) and
+        greedy acceptance. args int64 [3 + N] (the round's one host-to-device copy): the bonus, the block's
+        start, the M-RoPE shift, then the chain. -> `round`'s report and accepted features (K = N + 1 <= R).
+        Nothing to compact: a chain's accepted rows are its first ones, already in place."""
+        block_start, rope_delta = args[1], args[2]  # []
+        tokens = torch.cat([args[:1], args[3:]])  # [T]: the bonus (the root), then the chain
+        depth = torch.arange(tokens.shape[0], device=args.device)  # [T]: row i is the chain's depth i
+        positions = text_positions(depth + block_start, rope_delta, self.verifier.mrope)
+        mask = depth[:, None] >= depth[None]  # [T, T]: a chain sees its rows up to itself
+        logits, feats, greedy, path = self.verify(tokens, positions, block_start, mask, depth - 1)
+        return accepted_report(tokens, logits, feats, greedy, path)
 
     def step(self, args: Tensor) -> tuple[Tensor, Tensor]:
         """An autoregressive step on the device, with no host sync: the one-row verify pass of the token
@@ -228,6 +238,18 @@ class StaticGraphs(nn.Module):
         mask = torch.ones(1, 1, dtype=torch.bool, device=args.device)
         logits, feats, greedy, _ = self.verify(tokens, positions, start, mask, torch.full_like(tokens, -1))
         return torch.cat([greedy.double(), entropies(logits).double()]), feats
+
+
+def accepted_report(tokens: Tensor, logits: Tensor, feats: Tensor, greedy: Tensor, path: Tensor):
+    """A device round's report [2K+3] float64 (its one device-to-host copy): the accepted rows `path` [K]
+    (then -1), the tokens of rows path[i], the bonus (the target's argmax after the last accepted row), the
+    entropies of the root's and that row's distributions; and the accepted rows' features [K, F] (rows past
+    the path: copies of the root's), the next draft pass's context."""
+    rows = path.clamp(min=0)  # [K]
+    last = rows.gather(0, (path >= 0).sum().sub(1).view(1))  # [1]: the last accepted row
+    ends = torch.cat([rows[:1], last])  # [2]: the root, the last accepted row
+    report = torch.cat([path, tokens.index_select(0, rows), greedy.index_select(0, last)])
+    return torch.cat([report.double(), entropies(logits.index_select(0, ends)).double()]), feats.index_select(0, rows)
 
 
 def round_args(ctx_start: int, bonus: int, block_start: int, rope_delta: int, block_size: int, budget: int,
@@ -256,6 +278,15 @@ class DeviceRound:
     feats: Tensor  # [len(path), F] the accepted rows' features (on the device)
     root_entropy: float  # of the target's distribution at the root
     end_entropy: float  # ... at the last accepted row: the next round's prior
+
+    @staticmethod
+    def read(report: Tensor, feats: Tensor) -> "DeviceRound":
+        """From a round graph's outputs (`accepted_report`): one device-to-host copy."""
+        host = report.tolist()
+        k = feats.shape[0]
+        path = [int(i) for i in host[:k] if i >= 0]
+        run = [int(t) for t in host[k + 1 : k + len(path)]] + [int(host[2 * k])]
+        return DeviceRound(path, run, feats[: len(path)], host[2 * k + 1], host[2 * k + 2])
 
 
 @dataclass(frozen=True)
@@ -300,16 +331,22 @@ class StaticPasses:
         return "round" in self.fns
 
     @property
+    def has_lookup(self) -> bool:
+        """Whether a lookup round can run as one graph (`lookup`; engines have no such graph)."""
+        return "lookup" in self.fns
+
+    @property
     def has_step(self) -> bool:
         """Whether an autoregressive step can run as one graph (`step`; engines run their one-row verify)."""
         return "step" in self.fns
 
-    def warmup(self, budgets, chain: bool, rounds=()) -> None:
+    def warmup(self, budgets, chain: bool, rounds=(), lookups=()) -> None:
         """Run every graph once at its fixed shape (a verify graph per budget bucket, a round graph per
-        drafted budget in `rounds`, the step graph where `rounds` holds 0): compiles, captures or loads each
-        now. The rows they write are scratch, rewritten before any is read."""
+        drafted budget in `rounds`, the step graph where `rounds` holds 0, a lookup graph per chain length in
+        `lookups`): compiles, captures or loads each now. The rows they write are scratch, rewritten before any
+        is read."""
         with torch.inference_mode():
-            for key, args in example_inputs(self.graphs, self.shapes, budgets, chain, rounds).items():
+            for key, args in example_inputs(self.graphs, self.shapes, budgets, chain, rounds, lookups).items():
                 fn = self.fns.get(key.split("-")[0])
                 if fn is not None:  # prefill may run eagerly (compiled_fns)
                     fn(*args)
@@ -397,11 +434,12 @@ class StaticPasses:
         ctx, start = self._draft_context(ctx_feats, ctx_start)
         report, feats = self.fns["round"](ctx, round_args(start, bonus, block_start, rope_delta, self.shapes.block_size,
                                                           budget, chain, lookup, self.device), chain)
-        host = report.tolist()  # the round's one device-to-host copy
-        k = feats.shape[0]
-        path = [int(i) for i in host[:k] if i >= 0]
-        run = [int(t) for t in host[k + 1 : k + len(path)]] + [int(host[2 * k])]
-        return DeviceRound(path, run, feats[: len(path)], host[2 * k + 1], host[2 * k + 2])
+        return DeviceRound.read(report, feats)
+
+    def lookup(self, bonus: int, block_start: int, rope_delta: int, chain: list[int]) -> "DeviceRound":
+        """A lookup round (the tree root -> chain, `lookup_tree`) as one graph (`StaticGraphs.lookup`): one
+        host-to-device copy (the bonus, the block's start, the M-RoPE shift, the chain), one back."""
+        return DeviceRound.read(*self.fns["lookup"](self._t([bonus, block_start, rope_delta, *chain])))
 
     def step(self, bonus: int, block_start: int, rope_delta: int) -> "DeviceRound":
         """An autoregressive step as one graph (`StaticGraphs.step`): one host-to-device copy (the token, its
@@ -499,7 +537,7 @@ def compiled_fns(graphs: StaticGraphs, cuda_graphs: str = "trees") -> dict:
 def graph_names(graphs: StaticGraphs) -> tuple[str, ...]:
     """The StaticGraphs methods a decoder over `graphs` runs as fixed-shape graphs (the prompt's prefill
     aside: it runs eagerly, `compiled_fns`)."""
-    names = (*GRAPHS[1:], "round", "step") if graphs.draft_pass is not None else (*GRAPHS[1:2], "step")
+    names = (*GRAPHS[1:], "round", "lookup", "step") if graphs.draft_pass is not None else (*GRAPHS[1:2], "step")
     if isinstance(graphs.draft_pass, Eagle3Pass):  # EAGLE-3: its context and depth passes (the tree on the host)
         names = ("verify", *EAGLE3_GRAPHS)
     if graphs.verifier.cache.slots > 1:  # batched rounds: a graph per (slots, rows) bucket, compiled as they come
@@ -522,9 +560,10 @@ def verify_rows(budget: int, chain: bool, block_size: int) -> int:
     return (min(budget, block_size - 1) if chain else budget) + 1
 
 
-def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
+def example_inputs(graphs, shapes, budgets, chain: bool, rounds=(), lookups=()) -> dict:
     """name -> example args of every graph to build (what fixes its shapes); `rounds`: the budgets whose
-    rounds run as one graph on the device (a drafted budget: its round graph; 0: the step graph)."""
+    rounds run as one graph on the device (a drafted budget: its round graph; 0: the step graph); `lookups`:
+    the chain lengths of lookup rounds run as one graph each."""
     v = graphs.verifier
     mrope = v.mrope
     dev, dtype = v.embed_tokens.weight.device, v.embed_tokens.weight.dtype
@@ -564,6 +603,8 @@ def example_inputs(graphs, shapes, budgets, chain: bool, rounds=()) -> dict:
         out["context"] = (torch.zeros(c, feats, dtype=dtype, device=dev), zero())
         for budget in (b for b in rounds if b):
             out[f"round-{budget}"] = (ctx, round_args(0, 0, r, 0, b, budget, chain, (0, []), dev), chain)
+        for n in lookups:
+            out[f"lookup-{n}"] = (torch.tensor([0, r, 0, *range(n)], device=dev),)
     if 0 in rounds:  # autoregressive steps on the device
         out["step"] = (torch.zeros(3, dtype=torch.long, device=dev),)
     for slots in shapes.batch_buckets[1:]:  # batched rounds: a verify graph per (slots, rows), a draft per slots
