@@ -351,23 +351,32 @@ def chain_lookup(prefix: int, ref: list[int], until: int):
     return lookup
 
 
-@pytest.mark.parametrize("arch,backend", [("llama", "static"), ("qwen2_5_vl", "static"), ("llama", "compile")])
+@pytest.mark.parametrize("arch,backend", [("llama", "static"), ("qwen2_5_vl", "static"), ("llama", "compile"),
+                                          pytest.param("llama", "compile-cuda", marks=pytest.mark.gpu)])
 def test_device_lookup_rounds_equal_host_lookup_rounds(arch, backend, monkeypatch):
     """A lookup round (a chain that fills the budget: no draft pass) as one graph (the chain's verify and
     greedy acceptance, one copy in, one back) commits what the host's lookup round commits, round for round,
     chains accepted up to a wrong token or whole, at the tree's budget and at the lookup budget; the drafted
     rounds between them and after draft what they draft from the host. Compiled: warmup() builds a lookup
-    graph per chain length, and nothing compiles after it."""
+    graph per chain length, and nothing compiles after it (on CUDA: each replayed as a CUDA graph)."""
     import glance_rt.round.loop as dm
 
-    target, _, inputs, ref = case(arch)
+    if backend == "compile-cuda":  # a model of its own (the shared tiny ones stay on the CPU)
+        from tests.tiny_models import make_tiny
+
+        model, processor = make_tiny(arch)
+        target = glance_rt.load_target(model, processor=processor, device="cuda")
+        inputs = {k: v.to("cuda") for k, v in make_inputs(arch, processor).items()}
+        ref = hf_greedy(target.hf_model, inputs, NEW)
+    else:
+        target, _, inputs, ref = case(arch)
     p = inputs["input_ids"].shape[1]
     monkeypatch.setattr(dm, "lookup_match", chain_lookup(p, ref, 24))
     drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=4)
     kw = {"tree_budget": 6, "lookup": 8, "max_length": 256, "gate": False}
     runs = {}
     for device_round in (False, True):
-        if backend == "compile":
+        if backend.startswith("compile"):
             torch._dynamo.reset()
             dec = glance_rt.Decoder(target, drafter, backend="compile", chunk=8, device_round=device_round, **kw)
             if device_round:
@@ -379,7 +388,7 @@ def test_device_lookup_rounds_equal_host_lookup_rounds(arch, backend, monkeypatc
         res = runs[device_round] = dec.generate(max_new_tokens=NEW, **inputs)
         assert res.token_ids == ref
         assert (res.stats.timings["tree"] > 0) != device_round  # every round on the device: no host tree
-    if backend == "compile":
+    if backend.startswith("compile"):
         assert unique_graphs() == warm
     host, device = runs[False].stats, runs[True].stats
     assert host.lookup_rounds >= 3 and host.draft_passes > 0
