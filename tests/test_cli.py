@@ -154,3 +154,28 @@ def test_version():
 
 
 torch.set_num_threads(2)
+
+
+def test_gguf_copy_is_keyed_by_the_file_its_dtype_and_versions(tmp_path, monkeypatch):
+    """A GGUF file's converted copy is named by the file (path, size, modification time: a rewritten file
+    gets a new copy) and the dtype, under the cache folder; the key reads no bytes of the file."""
+    import os
+
+    from glance_rt.hf.target import gguf_cache_folder
+
+    monkeypatch.setenv("GLANCE_RT_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"a" * 64)
+    os.utime(f, ns=(1_000_000_000, 1_000_000_000))
+    first = gguf_cache_folder(f, torch.float32)
+    assert first.parent == tmp_path / "cache" / "gguf" and first.name.startswith("m-")
+    assert gguf_cache_folder(f, torch.float32) == first
+    assert gguf_cache_folder(f, torch.bfloat16) != first
+    f.write_bytes(b"b" * 64)  # rewritten: same size, a new modification time
+    os.utime(f, ns=(2_000_000_000, 2_000_000_000))
+    assert gguf_cache_folder(f, torch.float32) != first
+    other = tmp_path / "sub"
+    other.mkdir()
+    (other / "m.gguf").write_bytes(b"b" * 64)
+    os.utime(other / "m.gguf", ns=(2_000_000_000, 2_000_000_000))
+    assert gguf_cache_folder(other / "m.gguf", torch.float32) != gguf_cache_folder(f, torch.float32)
