@@ -11,6 +11,7 @@ from glance_rt.errors import GlanceError
 from glance_rt.method import DEFAULT_LOOKUP, DEFAULT_LOOKUP_BUDGET, DEFAULT_TREE_BUDGET, Method, job_max_length
 
 DEFAULT_SERVE_BATCH = 8  # serve's --max-batch where batched rounds run
+ALONE_UNTRAINED = 1.3  # a drafter alone below this many tokens a round is barely trained (train warns)
 
 # options shared by several commands
 TARGET = click.option("--target", "target_path", type=click.Path(), default=None,
@@ -316,6 +317,12 @@ def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> 
               help="Response store folder: answers found there are reused, new ones are added (docs/training.md).")
 @click.option("--init-from", type=click.Path(), default=None,
               help="Start from this drafter folder's weights (same shape and target layers) instead of a random init.")
+@click.option("--init-layers", default=None,
+              help="GLANCE: comma-separated target layers the drafter's layers start from, one per drafter layer "
+                   "(the target's own circuits instead of a random init; docs/training.md).")
+@click.option("--distill", default=0, show_default=True, type=int,
+              help="GLANCE: 0 trains on the target's greedy token (CE); K > 0 on the target's top-K distribution "
+                   "at each position (soft CE), which teaches the ranks a tree spends its rows on.")
 @click.option("--features", "feature_mode", type=click.Choice(["cached", "online"]), default="cached",
               show_default=True,
               help="'cached': the target's features are written to disk once (stage 2); 'online': the target "
@@ -327,7 +334,7 @@ def train(target_path, prompts, images, out, head, num_layers, block_size, ttt_s
           response_tokens,
           response_batch, steps, batch_size, blocks_per_seq, lr, gamma, seed, save_every, eval_every,
           eval_per_kind, eval_budget, eval_lookup, limit, per_kind, bf16, draft_vocab, mask_token_id,
-          learned_mask, store, init_from, feature_mode, until, resume):
+          learned_mask, store, init_from, init_layers, distill, feature_mode, until, resume):
     """Train a GLANCE drafter (or an EAGLE-3 head) for a target by self-distillation (resumable; torchrun
     for data parallel)."""
     try:
@@ -343,7 +350,9 @@ def train(target_path, prompts, images, out, head, num_layers, block_size, ttt_s
                           seed=seed, save_every=save_every, eval_every=eval_every, eval_per_kind=eval_per_kind,
                           eval_budget=eval_budget, eval_lookup=eval_lookup, limit=limit, per_kind=per_kind,
                           bf16=bf16, draft_vocab=draft_vocab or None, mask_token_id=mask_token_id,
-                          learned_mask=learned_mask, store=store, init_from=init_from, features=feature_mode,
+                          learned_mask=learned_mask, store=store, init_from=init_from, distill=distill,
+                          init_layers=tuple(int(x) for x in init_layers.split(",")) if init_layers else None,
+                          features=feature_mode,
                           until=until, resume=resume)
         target = load_target(target_path)
         drafter, result = run_training(target, cfg)
@@ -358,9 +367,16 @@ def train(target_path, prompts, images, out, head, num_layers, block_size, ttt_s
         problems = drafter.config.dflash_problems()
         click.echo(f"drafter: {out}/drafter (DFlash-compatible: "
                    + ("yes)" if not problems else "no, glance-rt only: " + "; ".join(problems) + ")"))
-        click.echo(f"tau (held-out, tree budget {result['tree_budget']}, lookup {result['lookup']}): "
-                   f"overall {result['overall']['tau']:.2f}; "
-                   + ", ".join(f"{k} {v['tau']:.2f}" for k, v in result["kinds"].items()))
+        for name, res in (("default method", result), ("drafter alone", result.get("drafter_alone"))):
+            if res is not None:
+                click.echo(f"tau, {name} (held-out, tree budget {result['tree_budget']}, lookup {res['lookup']}, "
+                           f"every round drafting): overall {res['overall']['tau']:.2f}; "
+                           + ", ".join(f"{k} {v['tau']:.2f}" for k, v in res["kinds"].items()))
+        alone = result.get("drafter_alone")
+        if alone is not None and alone["overall"]["tau"] < ALONE_UNTRAINED:
+            click.echo(f"warning: the drafter alone commits {alone['overall']['tau']:.2f} tokens a round: it is "
+                       "barely trained, and the default method's tau is mostly prompt lookup. Train longer or on "
+                       "more answers (docs/training.md, 'Training a drafter for your own model').", err=True)
 
 
 @main.command()

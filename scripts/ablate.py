@@ -6,7 +6,7 @@ then a table and a plot of held-out tau against that value.
         --response-tokens 96 --num-layers 2 --target-layer-ids 2,15,27 --steps 600 --features online
 
 Everything after `--` is passed to every run. Values are separated by commas (by semicolons for
-`target-layer-ids`, whose values hold commas). Each run is `OUT/<option>-<value>/`, a normal training
+`target-layer-ids` and `init-layers`, whose values hold commas). Each run is `OUT/<option>-<value>/`, a normal training
 folder: a rerun resumes the unfinished ones (`train --resume`) and skips the finished ones, so an
 ablation can span several sessions. `OUT/summary.json`, `OUT/summary.md` and `OUT/summary.png`
 (matplotlib) collect each run's eval.json (tau at train's eval configuration), its best held-out loss
@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+LIST_OPTIONS = ("target-layer-ids", "init-layers")  # options whose values hold commas: values split by ";"
 
 
 def run_dir(out: Path, option: str, value: str) -> Path:
@@ -52,7 +54,10 @@ def summarise(out: Path, option: str, values: list[str]) -> list[dict]:
         ev = json.loads((folder / "eval.json").read_text())
         hist = json.loads((folder / "history.json").read_text())
         best = next(e for e in hist["steps"] if e["step"] == hist["best_step"])
+        alone = ev.get("drafter_alone")
         rows.append({"value": value, "responses": responses_used(folder), "tau": ev["overall"]["tau"],
+                     "tau_alone": alone["overall"]["tau"] if alone else None,
+                     "tau_alone_kinds": {k: v["tau"] for k, v in alone["kinds"].items()} if alone else {},
                      "tau_kinds": {k: v["tau"] for k, v in ev["kinds"].items()}, "best_step": hist["best_step"],
                      "heldout_loss": best.get("heldout_loss"), "heldout_tau_chain": best.get("heldout_tau_chain"),
                      "eval": {k: ev[k] for k in ("tree_budget", "lookup", "max_new_tokens")}})
@@ -62,11 +67,15 @@ def summarise(out: Path, option: str, values: list[str]) -> list[dict]:
 def write_summary(out: Path, option: str, rows: list[dict]) -> None:
     (out / "summary.json").write_text(json.dumps({"option": option, "runs": rows}, indent=1))
     kinds = sorted({k for r in rows for k in r["tau_kinds"]})
-    lines = [f"| --{option} | training responses | tau | " + " | ".join(kinds) + " | best step | held-out loss | "
-             "held-out chain tau |", "|---" * (6 + len(kinds)) + "|"]  # value, responses, tau, kinds, 3 more
+    lines = [f"| --{option} | training responses | tau | " + " | ".join(kinds) + " | drafter alone | "
+             + " | ".join(f"alone: {k}" for k in kinds) + " | best step | held-out loss | held-out chain tau |",
+             "|---" * (7 + 2 * len(kinds)) + "|"]  # value, responses, tau, kinds, alone, its kinds, 3 more
+    nan = float("nan")
     for r in rows:
         lines.append(f"| {r['value']} | {r['responses']} | {r['tau']:.2f} | "
-                     + " | ".join(f"{r['tau_kinds'].get(k, float('nan')):.2f}" for k in kinds)
+                     + " | ".join(f"{r['tau_kinds'].get(k, nan):.2f}" for k in kinds)
+                     + f" | {r['tau_alone'] if r['tau_alone'] is not None else nan:.2f} | "
+                     + " | ".join(f"{r['tau_alone_kinds'].get(k, nan):.2f}" for k in kinds)
                      + f" | {r['best_step']} | {r['heldout_loss']:.3f} | {r['heldout_tau_chain']:.2f} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -106,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summary-only", action="store_true", help="only collect the finished runs")
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     option, _, values = args.vary.partition("=")
-    values = [v for v in values.split(",") if v] if option != "target-layer-ids" else values.split(";")
+    values = [v for v in values.split(",") if v] if option not in LIST_OPTIONS else values.split(";")
     if not values:
         ap.error("--vary needs OPTION=V1,V2,...")
     out = Path(args.out)

@@ -12,7 +12,13 @@ one forward), and at each depth k = 1..B-1 of the block this counts, over all po
 - chain: depths 1..k are all right (what a chain of B-1 drafted tokens accepts through depth k),
 - top-4, top-8: the answer's token is among the depth's 4 or 8 most likely (what a wider tree can
   still catch at that depth, given the depths above it right),
-- lookup: prompt lookup's chain (n <= 3, what `generate` grafts) is right through depth k.
+- lookup: prompt lookup's chain (n-grams up to `DEFAULT_LOOKUP`, what `generate` grafts) is right
+  through depth k.
+
+"Copies" as a number: a position is a *copy position* when lookup's chain is right at depth 1 there
+(the answer goes on as the text before it did). A second table gives, per kind, the share of copy
+positions and the drafter's depth-1 top-1 and top-8 rates and its chain tau at copy positions and
+elsewhere, beside lookup's chain tau at the copy positions: a drafter that copies matches lookup there.
 
 A chain's expected tokens per round is 1 + the sum of its chain column (the bonus token plus each
 depth reached): printed per kind for the drafter alone, lookup alone, and the better of the two at
@@ -46,6 +52,7 @@ def depth_hits(target, drafter, row: dict) -> dict:
     import torch.nn.functional as F
 
     from glance_rt.hf.arch import extend_inputs
+    from glance_rt.method import DEFAULT_LOOKUP
     from glance_rt.round.tree import prompt_lookup
     from glance_rt.tools.training.data import capture_features
     from glance_rt.tools.training.glance import block_forward
@@ -70,7 +77,7 @@ def depth_hits(target, drafter, row: dict) -> dict:
     seq = ids.numpy()
     look = torch.zeros_like(valid)
     for i, a in enumerate(anchors.tolist()):
-        chain = prompt_lookup(seq[: a + 1], 3, b - 1)  # history ends with the root
+        chain = prompt_lookup(seq[: a + 1], DEFAULT_LOOKUP, b - 1)  # history ends with the root
         right = 0
         while right < len(chain) and a + 1 + right < length and chain[right] == seq[a + 1 + right]:
             right += 1
@@ -112,10 +119,22 @@ def study(per_kind: int, drafter_dir: str | None) -> None:
         drafted = 1 + m["chain"].sum(1).float()  # tokens a chain of the drafter's top-1 commits at each position
         looked = 1 + m["lookup"].sum(1).float()
         best = torch.maximum(drafted, looked)
-        summary.append((kind, drafted.mean().item(), looked.mean().item(), best.mean().item()))
+        copy = m["lookup"][:, 0] & m["valid"][:, 0]  # [positions] the answer copies the text before it
+        split = [copy.float().mean().item()]
+        for where in (copy, ~copy & m["valid"][:, 0]):
+            split += [m["top-1"][where, 0].float().mean().item(), m["top-8"][where, 0].float().mean().item(),
+                      drafted[where].mean().item()]
+            if where is copy:
+                split.append(looked[where].mean().item())
+        summary.append((kind, drafted.mean().item(), looked.mean().item(), best.mean().item(), split))
     print("\n| kind | chain tau: drafter | lookup | better of the two per position |\n|---|---|---|---|")
-    for kind, d, look, best in summary:
+    for kind, d, look, best, _ in summary:
         print(f"| {kind} | {d:.2f} | {look:.2f} | {best:.2f} |")
+    print("\nCopy positions (lookup's chain right at depth 1) and the rest:\n")
+    print("| kind | copy share | copy: d1 top-1 | d1 top-8 | drafter chain tau | lookup chain tau | "
+          "elsewhere: d1 top-1 | d1 top-8 | drafter chain tau |\n" + "|---" * 9 + "|")
+    for kind, *_, split in summary:
+        print(f"| {kind} | " + " | ".join(f"{v:.2f}" for v in split) + " |")
     print(f"\n{time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 

@@ -2,7 +2,9 @@
 rotary embedding, `apply_rotary_pos_emb` and `repeat_kv`) and laid out with the published checkpoints'
 tensor names, so a checkpoint's state dict loads into it strictly. It runs a causal sequence of rows
 the way the reference trainers do: q, k and v from cat(input_layernorm(embedding), hidden_norm(state)),
-the state as the residual, the MLP, then `norm` and `lm_head`."""
+the state as the residual (hidden_norm(state) where the config sets `norm_before_residual`, as vLLM's
+llama_eagle3 picks `_norm_before_residual` / `_norm_after_residual`), the MLP, then `norm` and
+`lm_head`."""
 
 import torch
 from torch import nn
@@ -49,6 +51,20 @@ class ReferenceLayer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if getattr(cfg, "norm_before_residual", False):  # vLLM's choice, made once at construction
+            self.residual_norm = self.norm_before_residual
+        else:
+            self.residual_norm = self.norm_after_residual
+
+    def norm_before_residual(self, hidden_states):  # -> (hidden_norm'd state, residual)
+        hidden_states = self.hidden_norm(hidden_states)
+        residual = hidden_states
+        return hidden_states, residual
+
+    def norm_after_residual(self, hidden_states):
+        residual = hidden_states
+        hidden_states = self.hidden_norm(hidden_states)
+        return hidden_states, residual
 
 
 class ReferenceEagle3(nn.Module):
@@ -68,8 +84,9 @@ class ReferenceEagle3(nn.Module):
         [B, T] -> (next states [B, T, H], logits [B, T, Vd])."""
         layer = self.midlayer
         cos, sin = self.rotary(embeds, positions)
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(state)], -1)
-        h = state + layer.self_attn(x, cos, sin)
+        normed, residual = layer.residual_norm(state)
+        x = torch.cat([layer.input_layernorm(embeds), normed], -1)
+        h = residual + layer.self_attn(x, cos, sin)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h, self.lm_head(self.norm(h))
 
@@ -80,7 +97,8 @@ def reference_config(c) -> LlamaConfig:
                        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
                        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size,
                        max_position_embeddings=c.max_position_embeddings, hidden_act="silu",
-                       rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
+                       rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+                       norm_before_residual=c.norm_before_residual)
 
 
 def reference_from_folder(path) -> tuple[ReferenceEagle3, list[int]]:

@@ -48,12 +48,15 @@ def test_the_reference_loads_the_heads_tensors_by_name():
     assert "midlayer.self_attn.q_proj.weight" in head.state_dict() and "d2t" in head.state_dict()
 
 
+@pytest.mark.parametrize("norm_before_residual", [False, True])
 @pytest.mark.parametrize("steps", [1, 3])
-def test_head_equals_the_reference_step_after_step(steps):
+def test_head_equals_the_reference_step_after_step(steps, norm_before_residual):
     """Step 0 reads fc of the target's features; each later step reads the head's own states (the
-    training-time-test unroll), same tokens shifted: states and logits equal the reference's."""
-    head = random_head(seed=1)
-    ref = ReferenceEagle3(reference_config(CFG), CFG.target_hidden_size, CFG.draft_vocab_size)
+    training-time-test unroll), same tokens shifted: states and logits equal the reference's, with the
+    state or (vLLM's norm_before_residual) hidden_norm(state) as the residual at every step."""
+    c = Eagle3Config(**{**CFG.__dict__, "norm_before_residual": norm_before_residual})
+    head = random_head(c, seed=1)
+    ref = ReferenceEagle3(reference_config(c), CFG.target_hidden_size, CFG.draft_vocab_size)
     ref.load_state_dict(head.state_dict(), strict=True)
     torch.manual_seed(2)
     t = 7
@@ -113,12 +116,15 @@ LLAMA3_ROPE = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1
                ("original_max_position_embeddings", 64), ("rope_type", "llama3"))
 
 
+@pytest.mark.parametrize("norm_before_residual", [False, True])
 @pytest.mark.parametrize("rope_scaling", [(), LLAMA3_ROPE])
-def test_written_folder_is_what_the_reference_loads(tmp_path, rope_scaling):
+def test_written_folder_is_what_the_reference_loads(tmp_path, rope_scaling, norm_before_residual):
     """save_eagle3 writes what vLLM reads: transformers' LlamaConfig of config.json and a strict load of
     every tensor give a reference head that fuses the same layers and computes the same states and
-    logits as glance's head read back from the folder (scaled RoPE through each side's own code)."""
-    c = Eagle3Config(**{**CFG.__dict__, "rope_scaling": rope_scaling, "max_position_embeddings": 256})
+    logits as glance's head read back from the folder (scaled RoPE through each side's own code; the
+    residual as config.json's norm_before_residual says)."""
+    c = Eagle3Config(**{**CFG.__dict__, "rope_scaling": rope_scaling, "max_position_embeddings": 256,
+                        "norm_before_residual": norm_before_residual})
     head = random_head(c, seed=3)
     save_eagle3(head, tmp_path / "eagle3")
     got = read_eagle3(tmp_path / "eagle3")
@@ -128,6 +134,7 @@ def test_written_folder_is_what_the_reference_loads(tmp_path, rope_scaling):
     assert tuple(layers) == c.target_layer_ids
     cfg = json.loads((tmp_path / "eagle3" / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(c.target_layer_ids)  # SGLang's reading
+    assert cfg["norm_before_residual"] is norm_before_residual
     torch.manual_seed(4)
     t = 6
     feats, embeds = torch.randn(1, t, 3 * c.target_hidden_size), torch.randn(1, t, c.hidden_size)
@@ -146,7 +153,7 @@ def test_folders_as_specforge_writes_them(tmp_path):
 
     head = random_head()
     save_eagle3(head, tmp_path / "h")
-    edit(tmp_path / "h", lambda d: d.pop("eagle_aux_hidden_state_layer_ids"))
+    edit(tmp_path / "h", lambda d: [d.pop("eagle_aux_hidden_state_layer_ids"), d.pop("norm_before_residual")])
     with pytest.raises(GlanceError, match="names no target layers"):
         read_eagle3(tmp_path / "h")  # no layers named and no target to take EAGLE-3's default from
     with pytest.raises(GlanceError, match="eagle_config.eagle_aux_hidden_state_layer_ids"):
@@ -162,11 +169,11 @@ def test_folders_as_specforge_writes_them(tmp_path):
     assert got.config.own_embeddings and torch.equal(got.embed_tokens.weight, state["embed_tokens.weight"])
     assert torch.equal(got.target_ids(torch.arange(3)), torch.arange(3))  # no d2t: identity
     assert torch.equal(got.midlayer.hidden_norm.weight, head.midlayer.hidden_norm.weight)
+    assert not got.config.norm_before_residual  # no key: the state is the residual (vLLM's default)
 
 
 @pytest.mark.parametrize("field,value", [("num_hidden_layers", 2), ("attention_bias", True), ("hidden_act", "gelu"),
-                                         ("tie_word_embeddings", True), ("norm_before_residual", True),
-                                         ("fc_norm", True), ("norm_output", False),
+                                         ("tie_word_embeddings", True), ("fc_norm", True), ("norm_output", False),
                                          ("eagle_config", {"use_aux_hidden_state": False}),
                                          ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0})])
 def test_fields_that_draft_differently_are_refused(tmp_path, field, value):

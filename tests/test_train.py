@@ -122,6 +122,9 @@ def test_end_to_end_resume_and_reproducibility(tmp_path, monkeypatch):
     assert set(result["kinds"]) == {"extraction", "chat"}  # the held-out kinds
     assert result["overall"]["tau"] >= 1.0
     assert result["overall"]["draft_passes"] == result["overall"]["rounds"] > 20  # tau of the drafter: no gate
+    alone = result["drafter_alone"]  # beside the default method: the drafter with no lookup chain
+    assert alone["lookup"] == 0 and result["lookup"] > 0
+    assert alone["overall"]["draft_passes"] == alone["overall"]["rounds"] > 20
     # the trained drafter loads for the target and decodes losslessly
     loaded = glance_rt.load_drafter(out / "drafter", target)
     _, model, tok = tiny_target("llama")
@@ -277,10 +280,11 @@ def test_init_from_continues_a_glance_only_drafter_in_dflash_form(tmp_path):
 
 
 def test_online_features_train_the_same_drafter_as_cached_ones(tmp_path):
-    """--features online: no feature cache, the target computes each step's features, by the same
-    modules as the feature stage: the same drafter bit for bit, and the same held-out history."""
+    """--features online: no feature cache, the target computes each step's features (and, with
+    --distill, its top-K), by the same modules as the feature stage: the same drafter bit for bit, and
+    the same held-out history."""
     target, _, _ = tiny_target("llama")
-    cfg = small_cfg(tmp_path, "cached")
+    cfg = small_cfg(tmp_path, "cached", distill=3)
     train(target, cfg)
     train(target, replace(cfg, out=str(tmp_path / "online"), features="online"))
     assert not (tmp_path / "online" / "features").exists()
@@ -371,3 +375,81 @@ def test_ablation_script_runs_each_variant_once_and_summarises(tmp_path):
     stamp = (out / "block-size-2" / "eval.json").stat().st_mtime_ns
     ablate.main(["--out", str(out), "--vary", "block-size=2,4", "--", *common])  # finished runs are not redone
     assert (out / "block-size-2" / "eval.json").stat().st_mtime_ns == stamp
+
+
+def test_distillation_targets_are_the_targets_own_distribution(tmp_path):
+    """--distill K: each response token's teacher is the target's top-K at the row before it, whose first
+    entry is the greedy token; at K = 1 the soft CE is exactly the CE on that token, and at K > 1 it is
+    another loss (the ranks below the top-1 count)."""
+    from glance_rt.tools.training.data import read_sequences, with_features
+    from glance_rt.tools.training.glance import block_loss
+
+    target, _, _ = tiny_target("llama")
+    cfg = small_cfg(tmp_path, distill=4)
+    train(target, replace(cfg, until="responses"))
+    layers = (0, 1)
+    seqs = read_sequences(tmp_path / "run" / "responses" / "part-00000.jsonl", cfg)[:3]
+    seqs = [with_features(target, cfg, s, layers) for s in seqs]
+    for s in seqs:
+        ids, logp = s.teacher
+        assert ids.shape == logp.shape == (len(s.ids) - s.prompt_len, 4)
+        assert torch.equal(ids[:, 0].long(), s.ids[s.prompt_len :])  # the greedy answer is the top-1
+        assert torch.allclose(logp.exp().sum(-1), torch.ones(len(ids)))
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=1, target_layer_ids=layers).float()
+    embed = target.parts.text_model.embed_tokens.weight.float()
+    head = target.parts.lm_head.weight.float()
+    picks = [(s, torch.arange(s.prompt_len, len(s.ids) - 1)) for s in seqs]
+    ce = block_loss(drafter, embed, head, picks, 7.0)
+    top1 = [(replace(s, teacher=(s.teacher[0][:, :1], torch.zeros(len(s.teacher[0]), 1))), a) for s, a in picks]
+    soft1 = block_loss(drafter, embed, head, top1, 7.0, soft=True)
+    torch.testing.assert_close(soft1[0], ce[0], rtol=1e-5, atol=1e-4)
+    assert soft1[1:] == ce[1:]
+    soft4 = block_loss(drafter, embed, head, picks, 7.0, soft=True)
+    assert abs(float(soft4[0] - ce[0])) > 1e-3 * float(ce[0])
+
+
+def test_init_layers_start_the_drafter_from_the_targets_own_layers():
+    """--init-layers: drafter layer i holds target layer j_i's weights, its q/k norms the target's query
+    and key scale, and its context rows are exactly what target layer j_0 reads (the normed output of
+    layer j_0 - 1, one of the drafter's target layers)."""
+    from glance_rt.tools.training.data import Sequence
+    from glance_rt.tools.training.glance import start_from_target
+
+    target, model, _ = tiny_target("llama")
+    row = {"prompt": PROMPTS[0][1]}
+    inputs = target.encode_chat(row["prompt"])
+    ref = hf_greedy(model, inputs, 12)
+    row["response_ids"] = ref
+    drafter = glance_rt.init_drafter(target, num_layers=1, block_size=4, seed=2, target_layer_ids=(0, 1)).float()
+    seq = Sequence(None, torch.tensor(inputs["input_ids"][0].tolist() + ref), inputs["input_ids"].shape[1], "chat", row)
+    start_from_target(drafter, target, (1,), [seq])
+    layer = target.parts.text_model.layers[1]
+    for k, v in layer.state_dict().items():
+        assert torch.equal(drafter.state_dict()[f"layers.0.{k}"], v), k
+    q_norm = drafter.layers[0].self_attn.q_norm.weight
+    assert torch.all(q_norm == q_norm[0]) and float(q_norm[0]) != 1.0  # one scale: the queries' mean RMS
+    full = extend_inputs(inputs, ref)
+    feats = capture_features(target, full, (0, 1))  # [L, 2H]
+    with torch.no_grad():
+        want = layer.input_layernorm(feats[:, : feats.shape[1] // 2])  # layer 1's input: layer 0's output, normed
+        torch.testing.assert_close(drafter.context(feats), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(GlanceError, match="one target layer"):
+        start_from_target(drafter, target, (0, 1), [seq])
+
+
+def test_resume_with_more_steps_continues_a_finished_run(tmp_path):
+    """A finished run resumed with a larger --steps trains on from its last checkpoint (and writes
+    drafter/ and eval.json again); with fewer steps it is refused by name."""
+    target, _, _ = tiny_target("llama")
+    cfg = small_cfg(tmp_path)
+    train(target, cfg)
+    out = tmp_path / "run"
+    with pytest.raises(GlanceError, match="--steps 3 is fewer"):
+        train(target, replace(cfg, steps=3, resume=True))
+    train(target, replace(cfg, resume=True))  # the same steps: nothing to do
+    assert [e["step"] for e in json.loads((out / "history.json").read_text())["steps"]] == [3, 6]
+    _, result = train(target, replace(cfg, steps=9, resume=True))
+    assert [e["step"] for e in json.loads((out / "history.json").read_text())["steps"]] == [3, 6, 9]
+    assert (out / "checkpoints" / "step-000009").exists()
+    assert json.loads((out / "eval.json").read_text())["config"]["steps"] == 9 == result["config"]["steps"]
+    assert not any(p.name.startswith(".old-") for p in out.iterdir())

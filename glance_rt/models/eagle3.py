@@ -5,7 +5,7 @@ EAGLE-3 (Li et al., 2025) drafts one token per pass from the target's own hidden
   that order) into one state per position;
 - one decoder layer (`midlayer`) reads the token's embedding and that state side by side: its q, k and
   v project `cat(input_layernorm(embedding), hidden_norm(state))` (2H wide); the residual stream is
-  the state; then the usual SwiGLU MLP;
+  the state (`hidden_norm(state)` with vLLM's `norm_before_residual`); then the usual SwiGLU MLP;
 - the layer's output (before the final `norm`) is the state of the next draft step, which has no target
   state yet (training-time test trains the head on its own states);
 - `norm` and `lm_head` over a draft vocabulary of `draft_vocab_size` tokens: draft id i is target id
@@ -45,6 +45,7 @@ class Eagle3Config:
     rope_scaling: tuple[tuple[str, object], ...] = ()  # other rope_parameters: (("factor", 8.0), ...)
     max_position_embeddings: int = 32768
     own_embeddings: bool = False  # the checkpoint carries `embed_tokens` (else the target's are used)
+    norm_before_residual: bool = False  # vLLM's: the residual stream is hidden_norm(state), not the state
 
     def __post_init__(self):  # one spelling per config, as DrafterConfig's
         rope = {k: tuple(v) if isinstance(v, list) else v for k, v in dict(self.rope_scaling).items()}
@@ -149,7 +150,8 @@ class Eagle3Head(nn.Module):
         t = embeds.shape[1]
         q, k, v = self.qkv(embeds, state, cos, sin)
         layer = self.midlayer
-        h = state + layer.self_attn.o_proj(attend(q, k, v).transpose(1, 2).reshape(1, t, -1))
+        residual = layer.hidden_norm(state) if self.config.norm_before_residual else state  # [1, T, H]
+        h = residual + layer.self_attn.o_proj(attend(q, k, v).transpose(1, 2).reshape(1, t, -1))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def target_ids(self, draft_ids: Tensor) -> Tensor:
@@ -202,6 +204,7 @@ def _config_json(c: Eagle3Config, dtype: torch.dtype) -> dict:
         "hidden_act": "silu",
         "attention_bias": False,
         "tie_word_embeddings": False,
+        "norm_before_residual": c.norm_before_residual,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids],  # vLLM: hidden_states indices
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.target_layer_ids)},  # SGLang: layer indices
@@ -215,7 +218,7 @@ def _refuse(field: str, why: str) -> None:
 
 # fields whose other values make vLLM, SGLang or SpecForge draft differently from this head: value allowed
 DRAFTING_FIELDS = {"num_hidden_layers": (1,), "attention_bias": (False,), "hidden_act": ("silu",),
-                   "tie_word_embeddings": (False,), "norm_before_residual": (False,), "fc_norm": (False,),
+                   "tie_word_embeddings": (False,), "fc_norm": (False,),
                    "norm_output": (True,), "mlp_bias": (False,)}
 
 
@@ -267,6 +270,7 @@ def _config_from_json(d: dict, num_target_layers: int | None) -> Eagle3Config:
         rope_theta=theta,
         rope_scaling=tuple(rope.items()),
         max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+        norm_before_residual=bool(d.get("norm_before_residual", False)),  # vLLM's getattr(config, ..., False)
     )
 
 

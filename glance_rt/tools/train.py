@@ -46,6 +46,12 @@ def check(cfg: TrainConfig) -> None:
         raise GlanceError(f"ttt_steps must be >= 1, got {cfg.ttt_steps}")
     if cfg.head == "eagle3" and cfg.learned_mask:
         raise GlanceError("learned_mask is a GLANCE drafter's option: an EAGLE-3 head has no mask")
+    if cfg.head == "eagle3" and (cfg.distill or cfg.init_layers):
+        raise GlanceError("--distill and --init-layers are GLANCE drafter options; drop them for --head eagle3")
+    if cfg.distill < 0:
+        raise GlanceError(f"distill must be 0 (CE on the greedy token) or K > 0 (top-K distill), got {cfg.distill}")
+    if cfg.distill and cfg.draft_vocab:
+        raise GlanceError("--distill needs the whole vocabulary: drop --draft-vocab")
 
 
 def layers_for(cfg: TrainConfig, n_target: int) -> tuple[int, ...]:
@@ -102,6 +108,9 @@ def train(target, cfg: TrainConfig):
             result = json.loads(eval_file.read_text())
         else:
             result = evaluate(drafter)
+            if lookup:  # what the drafter proposes by itself, every round drafting, beside the default method
+                alone = evaluate_tau(target, drafter, rows, cfg, cfg.eval_per_kind, lookup=0)
+                result["drafter_alone"] = {"overall": alone["overall"], "kinds": alone["kinds"], "lookup": 0}
             result["config"] = {k: v for k, v in asdict(cfg).items() if k != "resume"}
             atomic_write(eval_file, lambda p: p.write_text(json.dumps(result, indent=2)))
     barrier(world)

@@ -5,10 +5,11 @@ train on. Nothing here depends on which head is trained."""
 import itertools
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from glance_rt.errors import GlanceError
@@ -192,12 +193,14 @@ def _stored_batch(store, rows: list[dict], cfg: TrainConfig, target) -> list[dic
 # ----------------------------------------------------------------------------- 2. features
 
 
-def capture_features(target, inputs: dict, layer_ids: tuple[int, ...]) -> Tensor:
+def capture_features(target, inputs: dict, layer_ids: tuple[int, ...], final: bool = False) -> Tensor | tuple:
     """Hidden states of `layer_ids` (HF `hidden_states[i + 1]` convention) for every row of one
-    full-sequence forward, stopping after the deepest layer needed. -> [L, len(ids) * H]."""
+    full-sequence forward, stopping after the deepest layer needed. -> [L, len(ids) * H]; with
+    `final`, the forward runs to the end and (features, final normed hidden [L, H]) is returned."""
     text_model = target.parts.text_model
     last = len(text_model.layers) - 1
     seen, hooks = {}, []
+    wanted = len(layer_ids) + final
 
     class Done(Exception):
         pass
@@ -205,7 +208,7 @@ def capture_features(target, inputs: dict, layer_ids: tuple[int, ...]) -> Tensor
     def grab(i):
         def hook(module, args, output):
             seen[i] = output[0] if isinstance(output, tuple) else output
-            if len(seen) == len(layer_ids):
+            if len(seen) == wanted:
                 raise Done
 
         return hook
@@ -213,6 +216,8 @@ def capture_features(target, inputs: dict, layer_ids: tuple[int, ...]) -> Tensor
     for i in layer_ids:
         module = text_model.norm if i == last else text_model.layers[i]
         hooks.append(module.register_forward_hook(grab(i)))
+    if final:
+        hooks.append(text_model.norm.register_forward_hook(grab("final")))
     try:
         with torch.inference_mode():
             target.hf_model(**inputs)
@@ -221,7 +226,18 @@ def capture_features(target, inputs: dict, layer_ids: tuple[int, ...]) -> Tensor
     finally:
         for h in hooks:
             h.remove()
-    return torch.cat([seen[i][0] for i in layer_ids], -1)  # [L, F]
+    feats = torch.cat([seen[i][0] for i in layer_ids], -1)  # [L, F]
+    return (feats, seen["final"][0]) if final else feats
+
+
+def teacher_topk(target, final: Tensor, prompt_len: int, k: int) -> tuple[Tensor, Tensor]:
+    """The target's distribution over each response token, as distillation reads it: its `k` most
+    likely tokens and their log-probs (renormalised over those k) at rows prompt_len-1 .. L-2 (row j
+    predicts token j+1). final [L, H] -> (ids [R, k] int32, log-probs [R, k] fp32), R = L - prompt_len."""
+    with torch.inference_mode():
+        logits = F.linear(final[prompt_len - 1 : -1], target.parts.lm_head.weight).float()  # [R, V]
+        top = logits.topk(k, -1)
+        return top.indices.to(torch.int32), top.values.log_softmax(-1)
 
 
 def stage_features(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world: int, n_parts: int) -> None:
@@ -240,14 +256,17 @@ def stage_features(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, wo
 
 
 def _write_features(target, cfg: TrainConfig, responses: Path, path: Path, layer_ids) -> None:
-    """One part: a full-sequence forward per response, its layers' states as bf16 safetensors."""
+    """One part: a full-sequence forward per response, its layers' states as bf16 safetensors (and,
+    with --distill K, the target's top-K per response token)."""
     from safetensors.torch import save_file
-
 
     tensors, meta = {}, []
     for j, seq in enumerate(read_sequences(responses, cfg)):
-        tensors[f"{j}.features"] = sequence_features(target, cfg, seq, layer_ids)
+        seq = with_features(target, cfg, seq, layer_ids)
+        tensors[f"{j}.features"] = seq.features
         tensors[f"{j}.ids"] = seq.ids
+        if seq.teacher is not None:
+            tensors[f"{j}.teacher_ids"], tensors[f"{j}.teacher_logp"] = seq.teacher
         meta.append({"key": str(j), "id": seq.row["id"], "kind": seq.kind, "split": seq.row["split"],
                      "prompt_len": seq.prompt_len})
     atomic_write(path, lambda p: save_file(tensors, p, metadata={"rows": json.dumps(meta)}))
@@ -260,6 +279,7 @@ class Sequence:
     prompt_len: int
     kind: str
     row: dict | None = None  # its response row (what the target re-encodes for online features)
+    teacher: tuple[Tensor, Tensor] | None = None  # --distill K: the target's top-K (ids, log-probs) [L - prompt_len, K]
 
 
 def read_sequences(responses: Path, cfg: TrainConfig) -> list[Sequence]:
@@ -276,12 +296,18 @@ def read_sequences(responses: Path, cfg: TrainConfig) -> list[Sequence]:
     return seqs
 
 
-def sequence_features(target, cfg: TrainConfig, seq: Sequence, layer_ids) -> Tensor:
-    """The target's features of `seq` as training stores them: [L, F] bf16 (one full-sequence forward)."""
-    inputs = target.encode_chat(seq.row["prompt"], open_images(seq.row, cfg.images))
-    feats = capture_features(target, extend_inputs(inputs, seq.row["response_ids"]), layer_ids)
+def with_features(target, cfg: TrainConfig, seq: Sequence, layer_ids) -> Sequence:
+    """`seq` with the target's features as training stores them ([L, F] bf16, one full-sequence
+    forward) and, with --distill K, its top-K distribution over each response token."""
+    inputs = extend_inputs(target.encode_chat(seq.row["prompt"], open_images(seq.row, cfg.images)),
+                           seq.row["response_ids"])
+    if not cfg.distill:
+        feats, teacher = capture_features(target, inputs, layer_ids), None
+    else:
+        feats, final = capture_features(target, inputs, layer_ids, final=True)
+        teacher = teacher_topk(target, final, seq.prompt_len, cfg.distill)
     assert feats.shape[0] == seq.ids.shape[0], "features must cover every row"
-    return feats.to(torch.bfloat16).contiguous()
+    return replace(seq, features=feats.to(torch.bfloat16).contiguous(), teacher=teacher)
 
 
 def load_features(files: list[Path]) -> list[Sequence]:
@@ -290,9 +316,13 @@ def load_features(files: list[Path]) -> list[Sequence]:
     seqs = []
     for path in files:
         with safe_open(path, "pt") as f:
+            names = set(f.keys())
             for m in json.loads(f.metadata()["rows"]):
-                seqs.append(Sequence(f.get_tensor(f"{m['key']}.features"), f.get_tensor(f"{m['key']}.ids"),
-                                     m["prompt_len"], m["kind"]))
+                key = m["key"]
+                teacher = ((f.get_tensor(f"{key}.teacher_ids"), f.get_tensor(f"{key}.teacher_logp"))
+                           if f"{key}.teacher_ids" in names else None)
+                seqs.append(Sequence(f.get_tensor(f"{key}.features"), f.get_tensor(f"{key}.ids"),
+                                     m["prompt_len"], m["kind"], teacher=teacher))
     return seqs
 
 

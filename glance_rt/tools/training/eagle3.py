@@ -132,7 +132,8 @@ class Eagle3Objective:
     """The EAGLE-3 head a run trains (`model`: fc, one decoder layer, norm, lm_head over the draft
     vocabulary), the target's frozen embedding, and training-time test's `loss`."""
 
-    def __init__(self, target, cfg: TrainConfig, layer_ids: tuple[int, ...], vocab: Tensor | None, bf16: bool):
+    def __init__(self, target, cfg: TrainConfig, layer_ids: tuple[int, ...], vocab: Tensor | None, bf16: bool,
+                 seqs: list[Sequence] = ()):  # seqs: unused (GLANCE's --init-layers calibrates on them)
         head = init_eagle3(target, None if vocab is None else len(vocab), seed=cfg.seed,
                            target_layer_ids=layer_ids).head.float()
         if vocab is not None:
@@ -148,7 +149,7 @@ class Eagle3Objective:
         self.column = draft_columns(head)
         self.steps, self.decay, self.anchored = cfg.ttt_steps, cfg.ttt_decay, cfg.ttt_positions == "anchors"
 
-    def loss(self, picks: list[tuple[Sequence, Tensor]]) -> tuple[Tensor, Tensor, int, int]:
+    def loss(self, picks: list[tuple[Sequence, Tensor]], training: bool = True) -> tuple[Tensor, Tensor, int, int]:
         """(weighted CE sum, weight sum, chain accepted-length sum, chains) over the picks' sequences: at
         every response position (EAGLE-3's), or (`ttt_positions="anchors"`) at the GLANCE picks' anchors
         only: a chain from anchor a is row a-1, and predicts the tokens a GLANCE block there does."""

@@ -8,9 +8,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from glance_rt.errors import GlanceError
+from glance_rt.hf.arch import extend_inputs
 from glance_rt.models.drafter import init_drafter, read_drafter, rope, rope_tables, save_drafter
 from glance_rt.tools.training.config import TrainConfig
-from glance_rt.tools.training.data import Sequence
+from glance_rt.tools.training.data import Sequence, capture_features
 
 
 def block_forward(drafter, embed: Tensor, features: Tensor, ids: Tensor, anchors: Tensor) -> Tensor:
@@ -46,33 +47,91 @@ def block_forward(drafter, embed: Tensor, features: Tensor, ids: Tensor, anchors
 
 
 def block_loss(drafter, embed: Tensor, head: Tensor, picks: list[tuple[Sequence, Tensor]], gamma: float,
-               column: Tensor | None = None):
+               column: Tensor | None = None, soft: bool = False):
     """CE of depth k predicting x_{a+k} through the frozen lm_head rows `head` [Vd, H], weighted
     exp(-(k-1)/gamma), for every (sequence, anchors [K]) pick. The drafter runs once per sequence; the
     head and the softmax run once over all picks' rows (one large GEMM: over the whole vocabulary the
     head is most of a step's cost, and 8 small GEMMs ran ~3x slower than one). `column` [V] maps a
     token id to its row of `head` (-1: not in the draft vocabulary, which the drafter cannot propose:
-    no loss, and a chain stops there); None: row = id.
+    no loss, and a chain stops there); None: row = id. `soft`: the CE is against the target's own
+    top-K distribution over x_{a+k} (each sequence's `teacher`, --distill K) instead of its greedy token.
     Returns (weighted CE sum, weight sum, chain accepted-length sum over the blocks)."""
     b = drafter.config.block_size
-    outs, targets, valid = [], [], []
+    outs, targets, valid, teach_ids, teach_logp = [], [], [], [], []
     for seq, anchors in picks:
         length = seq.ids.shape[0]
         outs.append(block_forward(drafter, embed, seq.features, seq.ids, anchors))  # [K, B-1, H]
         tgt_pos = anchors[:, None] + torch.arange(1, b)  # [K, B-1]
         targets.append(seq.ids[tgt_pos.clamp(max=length - 1)])
         valid.append(tgt_pos < length)
+        if soft:  # teacher row r predicts token prompt_len + r
+            rows = (tgt_pos.clamp(max=length - 1) - seq.prompt_len).clamp(min=0)
+            teach_ids.append(seq.teacher[0][rows].long())  # [K, B-1, Kt]
+            teach_logp.append(seq.teacher[1][rows].float())
     out, targets, valid = torch.cat(outs), torch.cat(targets), torch.cat(valid)  # [N, B-1, ...]
     logits = F.linear(out.to(head.dtype), head).float()  # [N, B-1, Vd]
     if column is not None:
         targets = column[targets]
     valid = valid & (targets >= 0)
     targets = targets.clamp(min=0)
-    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+    if soft:
+        logp = logits.log_softmax(-1).gather(-1, torch.cat(teach_ids))  # [N, B-1, Kt]
+        ce = -(torch.cat(teach_logp).exp() * logp).sum(-1)
+    else:
+        ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
     weight = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / gamma)[None].expand_as(ce) * valid
     correct = (logits.argmax(-1) == targets) & valid
     accepted = 1 + correct.long().cumprod(1).sum(1)  # chain acceptance of each block (+1 bonus)
     return (ce * weight).sum(), weight.sum(), accepted.sum().item()
+
+
+def start_from_target(drafter, target, layers: tuple[int, ...], calibrate: list[Sequence]) -> None:
+    """Start drafter layer i from target layer `layers[i]` (LayerSkip / Kangaroo: the target's own
+    circuits, copying among them, instead of a random init): attention and MLP weights and both norms.
+    The target has no q/k norm: each is set to the mean RMS of that layer's queries / keys on the
+    `calibrate` sequences (their features' forward), so attention starts about as sharp as the target's.
+    The context projection starts as target layer layers[0]'s input: where the layer before it is one
+    of the drafter's target layers, `fc` picks that layer's slice and `hidden_norm` takes the layer's
+    input norm (the context rows are then exactly what target layer layers[0] reads); else it stays random."""
+    text = target.parts.text_model
+    c = drafter.config
+    if len(layers) != c.num_hidden_layers or any(not 0 <= j < len(text.layers) for j in layers):
+        raise GlanceError(f"--init-layers {','.join(map(str, layers))}: give one target layer "
+                          f"(0..{len(text.layers) - 1}) per drafter layer ({c.num_hidden_layers})")
+    rms: dict[tuple[int, str], list[Tensor]] = {}
+    hooks = []
+    for j in layers:
+        attn = text.layers[j].self_attn
+        for name in ("q_proj", "k_proj"):
+            hooks.append(getattr(attn, name).register_forward_hook(
+                lambda m, a, o, key=(j, name): rms.setdefault(key, []).append(
+                    o.float().unflatten(-1, (-1, c.head_dim)).pow(2).mean(-1).sqrt().flatten())))
+    try:
+        for seq in calibrate:
+            capture_features(target, extend_inputs(target.encode_chat(seq.row["prompt"]), seq.row["response_ids"]),
+                             (max(layers),))
+    finally:
+        for h in hooks:
+            h.remove()
+    own = drafter.state_dict()
+    with torch.no_grad():
+        for i, j in enumerate(layers):
+            src = {k: v for k, v in text.layers[j].state_dict().items()}
+            for k, v in src.items():
+                name = f"layers.{i}.{k}"
+                if name not in own or own[name].shape != v.shape:
+                    raise GlanceError(f"--init-layers: target layer {j}'s {k} {tuple(v.shape)} does not fit the "
+                                      f"drafter's {tuple(own[name].shape) if name in own else 'nothing'}; the drafter "
+                                      "must have the target's layer shapes (the default sizes)")
+                own[name].copy_(v)
+            for name in ("q", "k"):
+                own[f"layers.{i}.self_attn.{name}_norm.weight"].fill_(torch.cat(rms[(j, f"{name}_proj")]).mean().item())
+        below = layers[0] - 1
+        if below in c.target_layer_ids:
+            h, slot = c.hidden_size, c.target_layer_ids.index(below)
+            own["fc.weight"].zero_()
+            own["fc.weight"][:, slot * h : (slot + 1) * h].copy_(torch.eye(h))
+            own["hidden_norm.weight"].copy_(text.layers[layers[0]].input_layernorm.weight)
 
 
 def start_from(drafter, path) -> None:
@@ -96,12 +155,15 @@ def start_from(drafter, path) -> None:
 class GlanceObjective:
     """The GLANCE drafter a run trains (`model`), its frozen embedding and head, and `loss`."""
 
-    def __init__(self, target, cfg: TrainConfig, layer_ids: tuple[int, ...], vocab: Tensor | None, bf16: bool):
+    def __init__(self, target, cfg: TrainConfig, layer_ids: tuple[int, ...], vocab: Tensor | None, bf16: bool,
+                 seqs: list[Sequence] = ()):
         drafter = init_drafter(target, cfg.num_layers, cfg.block_size, seed=cfg.seed, target_layer_ids=layer_ids,
                                draft_vocab_size=None if vocab is None else len(vocab),
                                mask_token_id=cfg.mask_token_id, learned_mask=cfg.learned_mask)
         if vocab is not None:
             drafter.draft_vocab.copy_(vocab)
+        if cfg.init_layers:
+            start_from_target(drafter, target, cfg.init_layers, seqs[:8])
         if cfg.init_from:
             start_from(drafter, cfg.init_from)
         self.model = drafter.float().train().requires_grad_(True)
@@ -113,11 +175,14 @@ class GlanceObjective:
             self.column = torch.full((target.vocab_size,), -1, dtype=torch.long)
             self.column[vocab] = torch.arange(len(vocab))
         self.head = head.to(torch.bfloat16 if bf16 else torch.float32).contiguous()  # [Vd, H]
-        self.gamma = cfg.gamma
+        self.gamma, self.distill = cfg.gamma, bool(cfg.distill)
 
-    def loss(self, picks: list[tuple[Sequence, Tensor]]) -> tuple[Tensor, Tensor, int, int]:
-        """(weighted CE sum, weight sum, chain accepted-length sum, chains) over the picks' blocks."""
-        loss_sum, weight_sum, accepted = block_loss(self.model, self.embed, self.head, picks, self.gamma, self.column)
+    def loss(self, picks: list[tuple[Sequence, Tensor]], training: bool = True) -> tuple[Tensor, Tensor, int, int]:
+        """(weighted CE sum, weight sum, chain accepted-length sum, chains) over the picks' blocks. With
+        --distill, training's CE is against the target's top-K; validation's stays on its greedy token
+        (comparable across runs)."""
+        loss_sum, weight_sum, accepted = block_loss(self.model, self.embed, self.head, picks, self.gamma, self.column,
+                                                    soft=training and self.distill)
         return loss_sum, weight_sum, accepted, sum(len(a) for _, a in picks)
 
     @staticmethod

@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ from glance_rt.tools.training.data import (
     heldout_rows,
     load_sequences,
     progress,
-    sequence_features,
+    with_features,
 )
 
 
@@ -113,7 +113,6 @@ def save_checkpoint(objective, opt, step: int, out: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".ckpt.", dir=out))
     try:
         objective.save(objective.model, tmp / "d", torch.float32)
-        torch.save({"step": step, "optimizer": opt.state_dict()}, tmp / "d" / "trainer.pt")
         torch.save({"step": step, "optimizer": opt.state_dict()}, tmp / "d" / "trainer.pt")
         final.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp / "d", final)
@@ -217,7 +216,7 @@ class Trainer:
         head_rows = target.vocab_size if vocab is None else len(vocab)
         hidden = target.text_config.hidden_size
         self.bf16 = use_bf16(target.device, hidden, head_rows) if cfg.bf16 is None else cfg.bf16
-        self.objective = objective_class(cfg.head)(target, cfg, layer_ids, vocab, self.bf16)
+        self.objective = objective_class(cfg.head)(target, cfg, layer_ids, vocab, self.bf16, self.seqs)
         self.model = self.objective.model
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                      betas=(0.9, 0.95))
@@ -240,12 +239,12 @@ class Trainer:
         if seq.features is not None:
             return seq
         with swapped_linears(self.target.hf_model, self.linear):
-            return replace(seq, features=sequence_features(self.target, self.cfg, seq, self.layer_ids))
+            return with_features(self.target, self.cfg, seq, self.layer_ids)
 
-    def loss(self, seqs: list[Sequence], picks: list[tuple[int, Tensor]]):
+    def loss(self, seqs: list[Sequence], picks: list[tuple[int, Tensor]], training: bool = True):
         """(weighted CE sum, weight sum, chain accepted-length sum, chains) of the picks."""
         with self.autocast():
-            return self.objective.loss([(self.featured(seqs[i]), a) for i, a in picks])
+            return self.objective.loss([(self.featured(seqs[i]), a) for i, a in picks], training)
 
     def validate(self) -> dict:
         """Held-out loss and chain tau (accepted length of the head's own chain, +1) on the fixed picks."""
@@ -254,7 +253,7 @@ class Trainer:
         self.model.eval()
         with torch.no_grad():
             for i in range(0, len(self.held_picks), self.cfg.batch_size):
-                ls, ws, acc, n = self.loss(self.held, self.held_picks[i : i + self.cfg.batch_size])
+                ls, ws, acc, n = self.loss(self.held, self.held_picks[i : i + self.cfg.batch_size], training=False)
                 loss_sum, weight_sum = loss_sum + float(ls), weight_sum + float(ws)
                 accepted, chains = accepted + acc, chains + n
         self.model.train()
@@ -265,12 +264,42 @@ class Trainer:
         return self.objective.drafter(self.model, self.target)
 
 
+def reopen_finished(out: Path, steps: int, rank: int) -> None:
+    """A finished run (drafter/ written) resumed with more --steps continues from its last checkpoint:
+    its drafter/ and eval.json are removed (both are written again at the new end). Fewer --steps than
+    the run has done are refused by name. The learning-rate schedule is a function of --steps, so the
+    continued steps follow the cosine of a `steps`-long run from where the last checkpoint stands."""
+    last = latest_checkpoint(out)
+    if last is None or not (out / "drafter" / "model.safetensors").exists():
+        return
+    if steps < last.step:
+        raise GlanceError(f"{out} has trained {last.step} steps; --steps {steps} is fewer: pass --steps above "
+                          f"{last.step} to continue it, or pick another --out for a shorter run")
+    if steps > last.step and rank == 0:
+        print(f"[train] {out} finished at step {last.step}; continuing it to step {steps} (drafter/ and eval.json "
+              "are written again at the end)")
+        for name in ("eval.json", "drafter"):
+            doomed = out / name
+            if doomed.exists():  # rename, then delete: a kill leaves no half-deleted folder that looks complete
+                trash = out / f".old-{name}"
+                shutil.rmtree(trash, ignore_errors=True)
+                os.replace(doomed, trash)
+                if trash.is_dir():
+                    shutil.rmtree(trash)
+                else:
+                    trash.unlink()
+
+
 def stage_train(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world: int, n_parts: int, evaluate,
                 linear):
     """Train from the last checkpoint; at each one, score the held-out set and keep the best
     checkpoint; write it as drafter/ (bf16) at the end. -> the head as `Decoder` drafts with it."""
     objective = objective_class(cfg.head)
+    reopen_finished(out, cfg.steps, rank)
+    barrier(world)
     if (out / "drafter" / "model.safetensors").exists():  # trained already: skip loading the features
+        if rank == 0:
+            print(f"[train] {out} is trained ({cfg.steps} steps): pass a larger --steps with --resume to continue it")
         return objective.drafter(objective.read(out / "drafter", target), target)
     tr = Trainer(target, cfg, out, layer_ids, n_parts, linear)
     start = tr.resume()
