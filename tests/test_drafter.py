@@ -160,3 +160,47 @@ def test_bad_draft_vocab_is_refused(tmp_path):
         glance_rt.load_drafter(tmp_path / "d", target)
     with pytest.raises(GlanceError, match="draft_vocab_size must be in"):
         glance_rt.init_drafter(target, draft_vocab_size=target.vocab_size + 1)
+
+
+def copy_drafter(target, block_size=5, seed=7):
+    """A random drafter with a copy head that trusts its pointer about half the time."""
+    return glance_rt.init_drafter(target, block_size=block_size, seed=seed, copy_head=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+def test_copy_head_drafter_is_lossless(arch):
+    """A copy head's drafts (the pointer mixed in) change acceptance, never the output: trees with and
+    without lookup, chains, and two sequences batched, all give HF greedy's tokens."""
+    from tests.conftest import hf_greedy
+
+    target, model, processor = tiny_target(arch)
+    inputs = make_inputs(arch, processor)
+    ref = hf_greedy(model, inputs, 20)
+    d = copy_drafter(target)
+    for kw in ({"tree_budget": 12, "lookup": 0}, {"tree_budget": 8}, {"chain": True}):
+        dec = glance_rt.Decoder(target, d, gate=False, **kw)
+        out = dec.generate(max_new_tokens=20, **inputs)
+        assert out.token_ids == ref and out.stats.draft_passes > 0, kw
+        # the pointer's next token of each prompt row: the token after it (the last one's: the first answer token)
+        prompt = inputs["input_ids"][0].tolist()
+        assert dec.drafter.copy_next[0, : len(prompt)].tolist() == prompt[1:] + ref[:1]
+    batch = glance_rt.Batch(glance_rt.Decoder(target, d, gate=False, lookup=0, max_batch=2))
+    assert [r.token_ids for r in batch.run([{**inputs, "max_new_tokens": 20}] * 2)] == [ref, ref]
+
+
+def test_copy_head_saves_glance_only_and_runs_eager_only(tmp_path):
+    from glance_rt.models.drafter import check_dflash
+
+    target, _, _ = tiny_target("llama")
+    d = copy_drafter(target)
+    d.save(tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["glance"]["copy_head"] is True and cfg["architectures"] == ["GlanceDraftModel"]
+    loaded = glance_rt.load_drafter(tmp_path / "d", target)
+    assert loaded.config.copy_head and torch.equal(loaded.copy_q.weight, d.copy_q.weight)
+    with pytest.raises(GlanceError, match="copy head"):
+        check_dflash(tmp_path / "d")
+    with pytest.raises(GlanceError, match="eager backend only"):
+        glance_rt.Decoder(target, loaded, backend="compile")
+    with pytest.raises(GlanceError, match="whole vocabulary"):
+        glance_rt.init_drafter(target, copy_head=True, draft_vocab_size=10)

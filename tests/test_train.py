@@ -78,14 +78,19 @@ def train_killed_at(monkeypatch, target, cfg, step: int) -> None:
     monkeypatch.setattr(tm, "lr_at", real_lr)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
-def test_training_pass_is_the_inference_pass(arch):
-    """block_forward (many anchored blocks, block-sparse mask) == DraftPass (cache, one block)."""
+@pytest.mark.parametrize(("arch", "copy_head"), [("llama", False), ("qwen2_5_vl", False), ("llama", True)])
+def test_training_pass_is_the_inference_pass(arch, copy_head):
+    """block_forward (many anchored blocks, block-sparse mask) == DraftPass (cache, one block); with a
+    copy head, the training mixture (`copy_logprobs`) == the draft pass's, pointing at the same rows."""
+    from glance_rt.tools.training.data import Sequence
+    from glance_rt.tools.training.glance import copy_logprobs
+
     target, model, processor = tiny_target(arch)
     inputs = make_inputs(arch, processor)
     ref = hf_greedy(model, inputs, 16)
     learned = arch == "qwen2_5_vl"  # one case masks with a learned embedding, the other with a token's (DFlash)
-    drafter = glance_rt.init_drafter(target, num_layers=2, block_size=5, seed=3, learned_mask=learned).float()
+    drafter = glance_rt.init_drafter(target, num_layers=2, block_size=5, seed=3, learned_mask=learned,
+                                     copy_head=copy_head).float()
     if learned:
         with torch.no_grad():
             torch.nn.init.normal_(drafter.mask_embedding)
@@ -98,9 +103,13 @@ def test_training_pass_is_the_inference_pass(arch):
     with torch.no_grad():
         out = block_forward(drafter, embed, feats, ids, anchors)  # [K, B-1, H]
         train_logits = target.parts.lm_head(out)
+        if copy_head:
+            plain = train_logits.log_softmax(-1)
+            train_logits = copy_logprobs(drafter, out, train_logits, Sequence(feats, ids, p, "chat"), anchors)
+            assert (train_logits - plain).abs().max() > 0.1  # the pointer moves the distribution
         for k, a in enumerate(anchors.tolist()):
             dp = DraftPass(drafter, target.parts.text_model.embed_tokens, target.parts.lm_head, 256)
-            serve_logits = dp(feats[:a], 0, int(ids[a]), a)
+            serve_logits = dp(feats[:a], 0, int(ids[a]), a, ctx_tokens=ids[1 : a + 1] if copy_head else None)
             torch.testing.assert_close(train_logits[k], serve_logits, rtol=1e-4, atol=1e-3)
 
 

@@ -10,12 +10,15 @@ The DFlash contract (README, "DFlash interoperability"). A folder is DFlash-comp
 `DFlashDraftModel` + `dflash_generate` (and vLLM / SGLang's DFlash support) draft exactly the tokens
 glance-rt drafts, when it uses no glance-only extension: its mask is the embedding of a target token
 (`dflash_config.mask_token_id`) and it drafts over the whole vocabulary. `init_drafter` and
-`glance-rt train` make such folders by default. Two extensions are opt-in, declared in config.json's
-`glance` section and refused by `check_dflash` (they have no DFlash form: DFlash reads neither tensor):
+`glance-rt train` make such folders by default. Three extensions are opt-in, declared in config.json's
+`glance` section and refused by `check_dflash` (they have no DFlash form: DFlash reads none of their tensors):
 - a learned mask embedding (`mask_embedding` [H]) instead of a mask token's embedding;
 - a draft vocabulary (as EAGLE-3's): the drafter may propose only `draft_vocab` [Vd], a sorted subset
   of the target's token ids; its logits are the lm_head rows of that subset (a head over 8k rows
-  instead of 49k, at the cost of never drafting a rare token; verification still decides every token).
+  instead of 49k, at the cost of never drafting a rare token; verification still decides every token);
+- a copy head (`copy_q`, `copy_k`, `copy_gate`): a pointer from each block row over the context rows,
+  proposing the token that followed each, mixed into the row's distribution by a learned gate
+  (`GlanceDrafter.copy_mix`), so an answer that copies what the target read is drafted by copying.
 A folder with an extension is written as architecture `GlanceDraftModel`, so a DFlash loader that
 dispatches on the architecture refuses it instead of drafting other tokens.
 
@@ -66,6 +69,7 @@ class DrafterConfig:
     mask_token_id: int | None = None  # a target token whose embedding is the mask (DFlash) ...
     learned_mask: bool = False  # ... or a learned mask embedding `mask_embedding` (glance-only)
     draft_vocab_size: int | None = None  # None: the whole vocabulary; else a `draft_vocab` buffer (glance-only)
+    copy_head: bool = False  # glance-only: a pointer over the context rows, mixed into each depth (`copy_mix`)
 
     def __post_init__(self):  # one spelling per config: sorted, hashable, without the default rope_type
         rope = {k: tuple(v) if isinstance(v, list) else v for k, v in dict(self.rope_scaling).items()}
@@ -82,6 +86,8 @@ class DrafterConfig:
         if self.mask_token_id is None and not self.learned_mask:
             raise GlanceError("a drafter needs a mask token (dflash_config.mask_token_id in config.json, DFlash's "
                               "form) or a learned mask embedding (glance.learned_mask)")
+        if self.copy_head and self.draft_vocab_size is not None:
+            raise GlanceError("a copy head proposes any context token: it needs the whole vocabulary (no draft_vocab)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise GlanceError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
@@ -112,6 +118,8 @@ class DrafterConfig:
         if self.draft_vocab_size is not None:
             problems.append(f"a draft vocabulary of {self.draft_vocab_size} tokens (`draft_vocab`): DFlash drafts "
                             "over the target's whole vocabulary")
+        if self.copy_head:
+            problems.append("a copy head (`copy_q`, `copy_k`, `copy_gate`): DFlash drafts from the lm_head alone")
         return problems
 
 
@@ -240,6 +248,10 @@ class GlanceDrafter(nn.Module):
             self.mask_embedding = nn.Parameter(torch.zeros(c.hidden_size))
         if c.draft_vocab_size is not None:  # [Vd] target token ids the drafter may propose, sorted
             self.register_buffer("draft_vocab", torch.arange(c.draft_vocab_size))
+        if c.copy_head:  # a pointer from each block row to the context rows, and how much of it to trust
+            self.copy_q = nn.Linear(c.hidden_size, c.head_dim, bias=False)
+            self.copy_k = nn.Linear(c.hidden_size, c.head_dim, bias=False)
+            self.copy_gate = nn.Linear(c.hidden_size, 1)
 
     @property
     def block_size(self) -> int:
@@ -268,6 +280,24 @@ class GlanceDrafter(nn.Module):
             q, (k, v) = layer_q(layer, c, x), layer_kv(layer, c, x)
             h = layer_out(layer, h, attend(i, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v))
         return self.norm(h)
+
+    def copy_mix(self, hidden: Tensor, logits: Tensor, keys: Tensor, next_ids: Tensor, visible: Tensor) -> Tensor:
+        """The copy head (`copy_head`, glance-only): block rows hidden [..., Q, H] point at the context rows
+        whose pointer keys are keys [..., m, D] (`copy_k` of the context rows) and propose each one's next
+        token next_ids [..., m]; visible [..., Q, m] says which rows each may point at. The pointer's
+        distribution is mixed with the head's softmax(logits [..., Q, V]) by a learned gate per row (a
+        pointer-generator), so copying a span of what the target read is one cheap choice.
+        -> log-probs [..., Q, V] (drafts and trees read them as logits)."""
+        c = self.config
+        scores = self.copy_q(hidden) @ keys.transpose(-1, -2) * c.head_dim**-0.5  # [..., Q, m]
+        scores = scores.float().masked_fill(~visible, float("-inf"))
+        can = visible.any(-1, keepdim=True)  # [..., Q, 1] rows with a context row to point at
+        point = torch.where(can, scores.softmax(-1), 0.0)  # [..., Q, m] (no NaN where nothing is visible)
+        p_copy = torch.zeros_like(logits, dtype=torch.float32).scatter_add(
+            -1, next_ids.unsqueeze(-2).expand_as(point), point)  # [..., Q, V]
+        gate = torch.sigmoid(self.copy_gate(hidden).float()) * can  # [..., Q, 1]
+        p = (1 - gate) * logits.float().softmax(-1) + gate * p_copy
+        return p.clamp_min(torch.finfo(torch.float32).tiny).log()
 
     @property
     def target_layer_ids(self) -> tuple[int, ...]:
@@ -309,7 +339,7 @@ def _config_json(c: DrafterConfig, dtype: torch.dtype) -> dict:
             "mask_token_id": c.mask_token_id,
         },
         "glance": {"format_version": FORMAT_VERSION, "learned_mask": c.learned_mask,
-                   "draft_vocab_size": c.draft_vocab_size},
+                   "draft_vocab_size": c.draft_vocab_size, "copy_head": c.copy_head},
     }
 
 
@@ -376,6 +406,7 @@ def _config_from_json(d: dict) -> DrafterConfig:
         mask_token_id=dflash.get("mask_token_id", d.get("mask_token_id")),
         learned_mask=bool(glance.get("learned_mask", False)),
         draft_vocab_size=glance.get("draft_vocab_size"),
+        copy_head=bool(glance.get("copy_head", False)),
     )
 
 

@@ -15,6 +15,7 @@ import copy
 import torch
 from torch import Tensor, nn
 
+from glance_rt.errors import GlanceError
 from glance_rt.models.attention import attend as attend_tree
 from glance_rt.models.drafter import GlanceDrafter, rope, rope_tables
 from glance_rt.models.kernels import KernelPlan, class_index, nearest_class, with_plan
@@ -47,6 +48,12 @@ class DraftPass(nn.Module):
         w = drafter.hidden_norm.weight  # (fc may be prepacked: no .weight)
         self.cache = KVCache(c.num_hidden_layers, c.num_key_value_heads, max_len, c.head_dim, w.dtype, w.device,
                              slots)
+        self.copies = c.copy_head
+        if self.copies:  # the copy head's pointer key and next token of every context row, per slot
+            self.register_buffer("copy_keys", torch.zeros(slots, max_len, c.head_dim, dtype=w.dtype, device=w.device),
+                                 persistent=False)
+            self.register_buffer("copy_next", torch.zeros(slots, max_len, dtype=torch.long, device=w.device),
+                                 persistent=False)
         inv_freq, self.rope_scaling = rope(c)  # [D/2], the RoPE type's attention scaling (a constant)
         self.register_buffer("inv_freq", inv_freq.to(w.device), persistent=False)
         ids = torch.full((c.block_size,), c.mask_token_id if c.mask_token_id is not None else 0)
@@ -90,30 +97,48 @@ class DraftPass(nn.Module):
             x = torch.cat([x[:, :, :1], mask], 2).flatten(1, 2)
         return x
 
-    def context(self, ctx_feats: Tensor, ctx_start: Tensor, slot: int = 0) -> None:
+    def context(self, ctx_feats: Tensor, ctx_start: Tensor, slot: int = 0, ctx_tokens: Tensor | None = None) -> None:
         """Project context rows ctx_feats [m, F] (target features) into every layer's cache rows
-        [ctx_start, ctx_start + m) of cache slot `slot`."""
-        self.contexts(((slot, ctx_feats, ctx_start),))
+        [ctx_start, ctx_start + m) of cache slot `slot`. A copy head also needs ctx_tokens [m]: the token
+        after each row."""
+        self.contexts(((slot, ctx_feats, ctx_start, ctx_tokens),))
 
     def contexts(self, items: tuple) -> None:
-        """`context` for several sequences in one pass: items ((slot, ctx_feats [m_i, F], ctx_start []), ...),
-        their rows projected together, each written to its own slot."""
-        rows = [start + torch.arange(f.shape[0], device=f.device) for _, f, start in items]  # [m_i] each
-        for i, k, v in self._context_kv(_cat([f for _, f, _ in items], 0), _cat(rows, 0)):
-            for (slot, _, _), r, (k_i, v_i) in zip(items, rows, _split((k, v), [len(r) for r in rows]), strict=True):
+        """`context` for several sequences in one pass: items ((slot, ctx_feats [m_i, F], ctx_start [],
+        ctx_tokens [m_i] or None), ...), their rows projected together, each written to its own slot."""
+        rows = [start + torch.arange(f.shape[0], device=f.device) for _, f, start, _ in items]  # [m_i] each
+        d, ctx = self._project(_cat([f for _, f, _, _ in items], 0))  # [1, m, H]
+        for i, k, v in self._context_kv(d, ctx, _cat(rows, 0)):
+            for (slot, *_), r, (k_i, v_i) in zip(items, rows, _split((k, v), [len(r) for r in rows]), strict=True):
                 self.cache.layer(i).write(r, k_i, v_i, slot)
+        if self.copies:
+            keys = d.copy_k(ctx[0])  # [m, D]
+            for (slot, _, _, tokens), r, k_i in zip(items, rows, keys.split([len(r) for r in rows]), strict=True):
+                if tokens is None:
+                    raise GlanceError("a drafter with a copy head needs each context row's next token (ctx_tokens)")
+                self.copy_keys[slot, r] = k_i
+                self.copy_next[slot, r] = tokens
 
     def slot_contexts(self, ctx: Tensor, ctx_start: Tensor) -> None:
         """`contexts` of cache slots 0..S-1, m rows each: ctx [S, m, F], ctx_start [S] (one scatter per layer;
         no loop over the slots, so S can be symbolic)."""
+        self._no_copy("slot_contexts")
         rows = ctx_start[:, None] + torch.arange(ctx.shape[1], device=ctx.device)  # [S, m]
-        for i, k, v in self._context_kv(ctx.flatten(0, 1), rows.flatten()):
+        for i, k, v in self._context_kv(*self._project(ctx.flatten(0, 1)), rows.flatten()):
             self.cache.layer(i).write_slots(rows, k, v)
 
-    def _context_kv(self, feats: Tensor, rows: Tensor):
-        """Context rows feats [m, F] at token indices rows [m] -> (layer, k, v [1, nkv, m, D]) per layer."""
+    def _no_copy(self, name: str) -> None:
+        if self.copies:
+            raise GlanceError(f"a drafter with a copy head runs on the eager backend only ({name} is a static pass); "
+                              "use backend='eager', or a drafter without --copy-head")
+
+    def _project(self, feats: Tensor) -> tuple[GlanceDrafter, Tensor]:
+        """Context rows feats [m, F] -> (the drafter of their row class, its context rows [1, m, H])."""
         d = self.drafters[class_index(feats.shape[0], self.row_classes)]
-        ctx = d.context(feats)[None]  # [1, m, H]
+        return d, d.context(feats)[None]
+
+    def _context_kv(self, d: GlanceDrafter, ctx: Tensor, rows: Tensor):
+        """Context rows ctx [1, m, H] at token indices rows [m] -> (layer, k, v [1, nkv, m, D]) per layer."""
         cos, sin = rope_tables(self.inv_freq, rows, ctx.dtype, self.rope_scaling)  # [1, m, D]
         for i in range(len(d.layers)):
             yield i, *d.context_kv(i, ctx, cos, sin)
@@ -132,19 +157,22 @@ class DraftPass(nn.Module):
         rows = [start + torch.arange(b, device=self.block_ids.device) for _, _, start, _ in items]  # [B] each
         seqs = layout(tuple(Segment(slot, j * b, b, r, self.block_mask, kv_len)  # slots 0..S-1: one op call
                             for j, ((slot, *_, kv_len), r) in enumerate(zip(items, rows, strict=True))))
-        return list(self._blocks(torch.stack([bonus for _, bonus, _, _ in items]), _cat(rows, 0), seqs))
+        copy_at = [(slot, start) for slot, _, start, _ in items] if self.copies else None
+        return list(self._blocks(torch.stack([bonus for _, bonus, _, _ in items]), _cat(rows, 0), seqs, copy_at))
 
     def slot_blocks(self, bonus: Tensor, block_start: Tensor, kv_len: int) -> Tensor:
         """`blocks` of cache slots 0..S-1: bonus, block_start [S] -> draft logits [S, B-1, V] (no loop over the
         slots, so S can be symbolic)."""
+        self._no_copy("slot_blocks")
         b = self.block_size
         rows = block_start[:, None] + torch.arange(b, device=block_start.device)  # [S, B]
         seqs = SlotBatch(rows, self.block_mask.expand(rows.shape[0], b, b), kv_len)
         return self._blocks(bonus, rows.flatten(), seqs)
 
-    def _blocks(self, bonus: Tensor, rows: Tensor, seqs) -> Tensor:
+    def _blocks(self, bonus: Tensor, rows: Tensor, seqs, copy_at: list | None = None) -> Tensor:
         """The blocks of bonus tokens [n] at token indices rows [n*B], their attention laid out by `seqs`
-        (`layout`) -> draft logits [n, B-1, V]."""
+        (`layout`) -> draft logits [n, B-1, V]. A copy head's (`copy_at`: each block's (slot, block_start))
+        are its mixture's log-probs, pointing at the slot's context rows before the block."""
         h = self.block_embeds(bonus)  # [1, n*B, H]
         cos, sin = rope_tables(self.inv_freq, rows, h.dtype, self.rope_scaling)  # [1, n*B, D]
         d = self.drafters[class_index(h.shape[1], self.row_classes)]  # one block: the block's drafter
@@ -155,29 +183,40 @@ class DraftPass(nn.Module):
 
         # all B rows through the head, then drop row 0 (a GEMM of B rows is the faster shape);
         # draft numerics never affect the output, only acceptance
-        logits = self.head(d(h, cos, sin, attend))[0]  # [n*B, V or Vd]
-        return logits.unflatten(0, (-1, self.block_size))[:, 1:]  # [n, B-1, V]
+        hidden = d(h, cos, sin, attend)[0]  # [n*B, H]
+        logits = self.head(hidden[None])[0].unflatten(0, (-1, self.block_size))[:, 1:]  # [n, B-1, V or Vd]
+        if copy_at is None:
+            return logits
+        hidden = hidden.unflatten(0, (-1, self.block_size))[:, 1:]  # [n, B-1, H]
+        cache_rows = torch.arange(self.copy_keys.shape[1], device=hidden.device)  # [M]
+        return torch.stack([d.copy_mix(hidden[j], logits[j], self.copy_keys[slot], self.copy_next[slot],
+                                       (cache_rows < start).expand(self.block_size - 1, -1))
+                            for j, (slot, start) in enumerate(copy_at)])  # [n, B-1, V]
 
     def step(self, ctx_feats: Tensor, ctx_start: Tensor, bonus: Tensor, block_start: Tensor, kv_len: int) -> Tensor:
+        self._no_copy("step")
         self.context(ctx_feats, ctx_start)
         return self.block(bonus, block_start, kv_len)
 
-    def forward(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int, slot: int = 0) -> Tensor:
-        return self.forward_batch(((slot, ctx_feats, ctx_start, bonus, block_start),))[0]
+    def forward(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int, slot: int = 0,
+                ctx_tokens: Tensor | None = None) -> Tensor:
+        return self.forward_batch(((slot, ctx_feats, ctx_start, bonus, block_start, ctx_tokens),))[0]
 
     def forward_batch(self, items: tuple) -> list[Tensor]:
         """Eager draft passes of several sequences as one: items ((slot, ctx_feats [m, F], ctx_start, bonus,
-        block_start), ...) with Python ints -> each one's draft logits [B-1, V]."""
+        block_start[, ctx_tokens [m]]), ...) with Python ints -> each one's draft logits [B-1, V]. A copy
+        head needs ctx_tokens: the token after each context row (the last one's is the bonus)."""
         dev = self.block_ids.device
 
         def t(x: int) -> Tensor:
             return torch.tensor(x, device=dev)
 
-        for _, feats, ctx_start, _, block_start in items:
+        items = tuple((*it, None) if len(it) == 5 else it for it in items)
+        for _, feats, ctx_start, _, block_start, _ in items:
             assert ctx_start + feats.shape[0] == block_start, "context rows must end where the block starts"
-        self.contexts(tuple((slot, feats, t(ctx_start)) for slot, feats, ctx_start, _, _ in items))
+        self.contexts(tuple((slot, feats, t(ctx_start), tokens) for slot, feats, ctx_start, _, _, tokens in items))
         return self.blocks(tuple((slot, t(bonus), t(start), start + self.block_size)
-                                 for slot, _, _, bonus, start in items))
+                                 for slot, _, _, bonus, start, _ in items))
 
 
 def _cat(xs: list[Tensor], dim: int) -> Tensor:

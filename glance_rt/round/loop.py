@@ -252,6 +252,7 @@ class Decoder:
         self.verifier, self.drafter = round_modules(target, drafter, max_length, verify_rows, kernels,
                                                     self.backend.fuse, exact, max_batch, self.backend.regions)
         self.grows_tree = isinstance(self.drafter, Eagle3Pass)  # its own tree (EAGLE-3), else build_tree's
+        self.copies = getattr(self.drafter, "copies", False)  # a copy head: draft calls carry the context's tokens
         vocab = getattr(self.drafter, "draft_vocab", None)  # draft-logit column -> token id, or None
         self.draft_vocab = None if vocab is None else vocab.cpu().numpy()
         self.mrope = self.verifier.mrope
@@ -540,7 +541,10 @@ class Decoder:
                 else:
                     draft_logits = None
                     if drafted:
-                        draft_logits = yield Call("draft", (ctx_feats, ctx_start, bonus, block_start))  # [B-1, V]
+                        args = (ctx_feats, ctx_start, bonus, block_start)
+                        if self.copies:  # a copy head points at context rows: it reads the token after each
+                            args = (*args, ids[ctx_start + 1 : block_start + 1].to(dev))
+                        draft_logits = yield Call("draft", args)  # [B-1, V]
                         stats.draft_passes += 1
                         clock.lap("draft")
                     else:

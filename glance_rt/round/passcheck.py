@@ -94,11 +94,13 @@ def probe_draft(dp: DraftPass, rows: int, t: int, start: int) -> Callable[[], ob
     w = dp.embed_tokens.weight
     feats = torch.randn(t, w.shape[1] * len(dp.target_layer_ids), generator=torch.Generator().manual_seed(0))
     feats = feats.to(w.device, w.dtype)  # [T, F]
+    tokens = torch.ones(t, dtype=torch.long, device=w.device) if dp.copies else None  # a copy head's next tokens
     if start == 0:
         start_t = torch.tensor(0, device=w.device)
-        return lambda: dp.context(feats, start_t)
+        return lambda: dp.context(feats, start_t, ctx_tokens=tokens)
     ctx: Tensor = feats[: max(t // 2, 1)]  # [m, F]
-    return lambda: dp(ctx, start, 1, start + ctx.shape[0])
+    m = ctx.shape[0]
+    return lambda: dp(ctx, start, 1, start + m, ctx_tokens=None if tokens is None else tokens[:m])
 
 
 def probe_eagle3(p: Eagle3Pass, rows: int, t: int, start: int) -> Callable[[], object]:

@@ -100,8 +100,12 @@ class EagerPasses:
             out.append((logits[rows], feats[rows], greedy[rows], accept(tree, greedy[rows])))
         return out
 
-    def draft(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int) -> Tensor:
-        return self.drafter(ctx_feats, ctx_start, bonus, block_start)
+    def draft(self, ctx_feats: Tensor, ctx_start: int, bonus: int, block_start: int,
+              ctx_tokens: Tensor | None = None) -> Tensor:
+        """-> draft logits [B-1, V]; `ctx_tokens` [m]: the token after each context row, for a copy head."""
+        if ctx_tokens is None:
+            return self.drafter(ctx_feats, ctx_start, bonus, block_start)
+        return self.drafter(ctx_feats, ctx_start, bonus, block_start, ctx_tokens=ctx_tokens)
 
     def draft_batch(self, calls: list) -> list:
         """Several sequences' draft passes as one (`DraftPass.forward_batch`): calls [(slot, draft's
@@ -134,6 +138,8 @@ class StaticGraphs(nn.Module):
 
     def __init__(self, verifier: TargetDecoder, draft_pass=None):
         super().__init__()
+        if getattr(draft_pass, "copies", False):
+            draft_pass._no_copy("every fixed-shape graph")
         self.verifier, self.draft_pass = verifier, draft_pass
         self.max_len = verifier.cache.max_len
         self.block_size = draft_pass.block_size if draft_pass is not None else 1

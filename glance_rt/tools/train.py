@@ -46,8 +46,11 @@ def check(cfg: TrainConfig) -> None:
         raise GlanceError(f"ttt_steps must be >= 1, got {cfg.ttt_steps}")
     if cfg.head == "eagle3" and cfg.learned_mask:
         raise GlanceError("learned_mask is a GLANCE drafter's option: an EAGLE-3 head has no mask")
-    if cfg.head == "eagle3" and (cfg.distill or cfg.init_layers):
-        raise GlanceError("--distill and --init-layers are GLANCE drafter options; drop them for --head eagle3")
+    if cfg.head == "eagle3" and (cfg.distill or cfg.init_layers or cfg.copy_head):
+        raise GlanceError("--distill, --init-layers and --copy-head are GLANCE drafter options; drop them for "
+                          "--head eagle3")
+    if cfg.copy_head and cfg.draft_vocab:
+        raise GlanceError("--copy-head proposes any context token: it needs the whole vocabulary (drop --draft-vocab)")
     if cfg.distill < 0:
         raise GlanceError(f"distill must be 0 (CE on the greedy token) or K > 0 (top-K distill), got {cfg.distill}")
     if cfg.distill and cfg.draft_vocab:

@@ -70,19 +70,36 @@ def block_loss(drafter, embed: Tensor, head: Tensor, picks: list[tuple[Sequence,
             teach_logp.append(seq.teacher[1][rows].float())
     out, targets, valid = torch.cat(outs), torch.cat(targets), torch.cat(valid)  # [N, B-1, ...]
     logits = F.linear(out.to(head.dtype), head).float()  # [N, B-1, Vd]
+    if drafter.config.copy_head:  # the head's distribution with the pointer's mixed in, sequence by sequence
+        sizes = [len(a) for _, a in picks]
+        logp = torch.cat([copy_logprobs(drafter, o, lg, seq, anchors) for o, lg, (seq, anchors)
+                          in zip(out.split(sizes), logits.split(sizes), picks, strict=True)])
+    else:
+        logp = logits.log_softmax(-1)  # [N, B-1, Vd]
     if column is not None:
         targets = column[targets]
     valid = valid & (targets >= 0)
     targets = targets.clamp(min=0)
     if soft:
-        logp = logits.log_softmax(-1).gather(-1, torch.cat(teach_ids))  # [N, B-1, Kt]
-        ce = -(torch.cat(teach_logp).exp() * logp).sum(-1)
+        ce = -(torch.cat(teach_logp).exp() * logp.gather(-1, torch.cat(teach_ids))).sum(-1)
     else:
-        ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+        ce = -logp.gather(-1, targets[..., None]).squeeze(-1)  # [N, B-1]
     weight = torch.exp(-torch.arange(b - 1, dtype=torch.float32) / gamma)[None].expand_as(ce) * valid
-    correct = (logits.argmax(-1) == targets) & valid
+    correct = (logp.argmax(-1) == targets) & valid
     accepted = 1 + correct.long().cumprod(1).sum(1)  # chain acceptance of each block (+1 bonus)
     return (ce * weight).sum(), weight.sum(), accepted.sum().item()
+
+
+def copy_logprobs(drafter, out: Tensor, logits: Tensor, seq: Sequence, anchors: Tensor) -> Tensor:
+    """The copy head's mixture for one sequence's blocks, as the draft pass computes it: each block row
+    points at the context rows before its anchor (what `DraftPass` caches) and proposes the token after
+    each. out [K, B-1, H], logits [K, B-1, V] -> log-probs [K, B-1, V]."""
+    ids, length = seq.ids, seq.ids.shape[0]
+    keys = drafter.copy_k(drafter.context(seq.features))  # [L, D]
+    next_ids = torch.cat([ids[1:], ids[-1:]])  # [L] the token after each row (the last row is never visible)
+    visible = torch.arange(length)[None, None, :] < anchors[:, None, None]  # [K, 1, L]
+    k, d = out.shape[:2]
+    return drafter.copy_mix(out, logits, keys[None], next_ids.expand(k, length), visible.expand(k, d, length))
 
 
 def start_from_target(drafter, target, layers: tuple[int, ...], calibrate: list[Sequence]) -> None:
@@ -159,7 +176,8 @@ class GlanceObjective:
                  seqs: list[Sequence] = ()):
         drafter = init_drafter(target, cfg.num_layers, cfg.block_size, seed=cfg.seed, target_layer_ids=layer_ids,
                                draft_vocab_size=None if vocab is None else len(vocab),
-                               mask_token_id=cfg.mask_token_id, learned_mask=cfg.learned_mask)
+                               mask_token_id=cfg.mask_token_id, learned_mask=cfg.learned_mask,
+                               copy_head=cfg.copy_head)
         if vocab is not None:
             drafter.draft_vocab.copy_(vocab)
         if cfg.init_layers:
