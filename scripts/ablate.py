@@ -6,10 +6,11 @@ then a table and a plot of held-out tau against that value.
         --response-tokens 96 --num-layers 2 --target-layer-ids 2,15,27 --steps 600 --features online
 
 Everything after `--` is passed to every run. Values are separated by commas (by semicolons for
-`target-layer-ids` and `init-layers`, whose values hold commas). Each run is `OUT/<option>-<value>/`, a normal training
-folder: a rerun resumes the unfinished ones (`train --resume`) and skips the finished ones, so an
-ablation can span several sessions. `OUT/summary.json`, `OUT/summary.md` and `OUT/summary.png`
-(matplotlib) collect each run's eval.json (tau at train's eval configuration), its best held-out loss
+`target-layer-ids` and `init-layers`, whose values hold commas); a flag's values are `on` and `off`.
+Each run is `OUT/<option>-<value>/`, a normal training folder: a rerun resumes the unfinished ones
+(`train --resume`) and skips the finished ones, so an ablation can span several sessions.
+`OUT/summary.json`, `OUT/summary.md` and `OUT/summary.png` (matplotlib) collect each run's eval.json
+(tau at train's eval configuration, the default method and the drafter alone), its best held-out loss
 and chain tau (history.json), and for `per-kind` the number of training responses it used.
 """
 
@@ -32,7 +33,8 @@ def train_one(out: Path, option: str, value: str, common: list[str]) -> float:
     folder = run_dir(out, option, value)
     if (folder / "eval.json").exists():
         return 0.0
-    cmd = [sys.executable, "-m", "glance_rt.cli", "train", *common, f"--{option}", value, "--out", str(folder)]
+    flag = {"on": [f"--{option}"], "off": []}.get(value, [f"--{option}", value])  # a flag: on / off
+    cmd = [sys.executable, "-m", "glance_rt.cli", "train", *common, *flag, "--out", str(folder)]
     if (folder / "run.json").exists():
         cmd.append("--resume")
     print("$", " ".join(cmd), flush=True)

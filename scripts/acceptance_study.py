@@ -54,8 +54,8 @@ def depth_hits(target, drafter, row: dict) -> dict:
     from glance_rt.hf.arch import extend_inputs
     from glance_rt.method import DEFAULT_LOOKUP
     from glance_rt.round.tree import prompt_lookup
-    from glance_rt.tools.training.data import capture_features
-    from glance_rt.tools.training.glance import block_forward
+    from glance_rt.tools.training.data import Sequence, capture_features
+    from glance_rt.tools.training.glance import block_forward, copy_logprobs
 
     ids = torch.tensor(row["prompt_ids"] + row["response_ids"])  # [L]
     p, length, b = len(row["prompt_ids"]), ids.shape[0], drafter.config.block_size
@@ -66,6 +66,9 @@ def depth_hits(target, drafter, row: dict) -> dict:
     with torch.no_grad():
         hidden = block_forward(drafter, embed, feats.to(embed.dtype), ids, anchors)  # [K, B-1, H]
         logits = F.linear(hidden, target.parts.lm_head.weight)  # [K, B-1, V]
+        if drafter.config.copy_head:  # the pointer mixed in, as the draft pass drafts
+            seq = Sequence(feats.to(embed.dtype), ids, p, row["kind"])
+            logits = copy_logprobs(drafter, hidden, logits, seq, anchors)
     pos = anchors[:, None] + torch.arange(1, b)  # [K, B-1]
     valid = pos < length
     want = ids[pos.clamp(max=length - 1)]  # [K, B-1]

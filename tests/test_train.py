@@ -378,7 +378,7 @@ def test_ablation_script_runs_each_variant_once_and_summarises(tmp_path):
     for r in summary["runs"]:
         cfg = json.loads((out / f"block-size-{r['value']}" / "eval.json").read_text())["config"]
         assert cfg["block_size"] == int(r["value"]) and cfg["features"] == "online"
-        assert r["responses"] == 7 and r["tau"] >= 1.0 and r["best_step"] in (2, 4)
+        assert r["responses"] == 7 and r["tau"] >= 1.0 and r["tau_alone"] >= 1.0 and r["best_step"] in (2, 4)
     table = (out / "summary.md").read_text().splitlines()
     assert len(table) == 4 and table[0].count("|") == table[1].count("|")  # one separator per column
     stamp = (out / "block-size-2" / "eval.json").stat().st_mtime_ns
