@@ -43,6 +43,25 @@ def write_json(path, doc) -> None:
     atomic_write(path, lambda p: p.write_bytes(text))
 
 
+def atomic_remove(path: Path) -> None:
+    """Remove a file or folder by renaming it aside (`.NAME.old`), then deleting that: a kill leaves the
+    whole thing or a hidden leftover (cleared by the next call), never a half-deleted one that looks complete."""
+    import shutil
+
+    def delete(p: Path) -> None:
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+    path = Path(path)
+    old = path.with_name(f".{path.name}.old")
+    delete(old)  # a killed call's leftover
+    if path.exists():
+        os.replace(path, old)
+        delete(old)
+
+
 def atomic_folder(path: Path, write) -> None:
     """`write(tmp_dir)` fills a temp folder beside `path`, then it is renamed into place (an old folder
     moved aside first): an interrupted write never leaves a folder that looks complete."""

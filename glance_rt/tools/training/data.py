@@ -296,11 +296,16 @@ def read_sequences(responses: Path, cfg: TrainConfig) -> list[Sequence]:
     return seqs
 
 
+def sequence_inputs(target, seq: Sequence, images: str | None) -> dict:
+    """The target's inputs for `seq` whole: its prompt (and images, relative to `images`) through the chat
+    template, then its response."""
+    return extend_inputs(target.encode_chat(seq.row["prompt"], open_images(seq.row, images)), seq.row["response_ids"])
+
+
 def with_features(target, cfg: TrainConfig, seq: Sequence, layer_ids) -> Sequence:
     """`seq` with the target's features as training stores them ([L, F] bf16, one full-sequence
     forward) and, with --distill K, its top-K distribution over each response token."""
-    inputs = extend_inputs(target.encode_chat(seq.row["prompt"], open_images(seq.row, cfg.images)),
-                           seq.row["response_ids"])
+    inputs = sequence_inputs(target, seq, cfg.images)
     if not cfg.distill:
         feats, teacher = capture_features(target, inputs, layer_ids), None
     else:

@@ -8,10 +8,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from glance_rt.errors import GlanceError
-from glance_rt.hf.arch import extend_inputs
 from glance_rt.models.drafter import init_drafter, read_drafter, rope, rope_tables, save_drafter
 from glance_rt.tools.training.config import TrainConfig
-from glance_rt.tools.training.data import Sequence, capture_features
+from glance_rt.tools.training.data import Sequence, capture_features, sequence_inputs
 
 
 def block_forward(drafter, embed: Tensor, features: Tensor, ids: Tensor, anchors: Tensor) -> Tensor:
@@ -102,11 +101,12 @@ def copy_logprobs(drafter, out: Tensor, logits: Tensor, seq: Sequence, anchors: 
     return drafter.copy_mix(out, logits, keys[None], next_ids.expand(k, length), visible.expand(k, d, length))
 
 
-def start_from_target(drafter, target, layers: tuple[int, ...], calibrate: list[Sequence]) -> None:
+def start_from_target(drafter, target, layers: tuple[int, ...], calibrate: list[Sequence],
+                      images: str | None = None) -> None:
     """Start drafter layer i from target layer `layers[i]` (LayerSkip / Kangaroo: the target's own
     circuits, copying among them, instead of a random init): attention and MLP weights and both norms.
     The target has no q/k norm: each is set to the mean RMS of that layer's queries / keys on the
-    `calibrate` sequences (their features' forward), so attention starts about as sharp as the target's.
+    `calibrate` sequences (their images relative to `images`), so attention starts about as sharp as the target's.
     The context projection starts as target layer layers[0]'s input: where the layer before it is one
     of the drafter's target layers, `fc` picks that layer's slice and `hidden_norm` takes the layer's
     input norm (the context rows are then exactly what target layer layers[0] reads); else it stays random."""
@@ -125,16 +125,14 @@ def start_from_target(drafter, target, layers: tuple[int, ...], calibrate: list[
                     o.float().unflatten(-1, (-1, c.head_dim)).pow(2).mean(-1).sqrt().flatten())))
     try:
         for seq in calibrate:
-            capture_features(target, extend_inputs(target.encode_chat(seq.row["prompt"]), seq.row["response_ids"]),
-                             (max(layers),))
+            capture_features(target, sequence_inputs(target, seq, images), (max(layers),))
     finally:
         for h in hooks:
             h.remove()
     own = drafter.state_dict()
     with torch.no_grad():
         for i, j in enumerate(layers):
-            src = {k: v for k, v in text.layers[j].state_dict().items()}
-            for k, v in src.items():
+            for k, v in text.layers[j].state_dict().items():
                 name = f"layers.{i}.{k}"
                 if name not in own or own[name].shape != v.shape:
                     raise GlanceError(f"--init-layers: target layer {j}'s {k} {tuple(v.shape)} does not fit the "
@@ -181,7 +179,7 @@ class GlanceObjective:
         if vocab is not None:
             drafter.draft_vocab.copy_(vocab)
         if cfg.init_layers:
-            start_from_target(drafter, target, cfg.init_layers, seqs[:8])
+            start_from_target(drafter, target, cfg.init_layers, seqs[:8], cfg.images)
         if cfg.init_from:
             start_from(drafter, cfg.init_from)
         self.model = drafter.float().train().requires_grad_(True)

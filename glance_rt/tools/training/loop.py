@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from glance_rt.errors import GlanceError
-from glance_rt.files import atomic_write, open_images
+from glance_rt.files import atomic_remove, atomic_write, open_images
 from glance_rt.models.linear import swapped_linears
 from glance_rt.round.loop import Decoder
 from glance_rt.tools.training.config import TrainConfig
@@ -279,15 +279,7 @@ def reopen_finished(out: Path, steps: int, rank: int) -> None:
         print(f"[train] {out} finished at step {last.step}; continuing it to step {steps} (drafter/ and eval.json "
               "are written again at the end)")
         for name in ("eval.json", "drafter"):
-            doomed = out / name
-            if doomed.exists():  # rename, then delete: a kill leaves no half-deleted folder that looks complete
-                trash = out / f".old-{name}"
-                shutil.rmtree(trash, ignore_errors=True)
-                os.replace(doomed, trash)
-                if trash.is_dir():
-                    shutil.rmtree(trash)
-                else:
-                    trash.unlink()
+            atomic_remove(out / name)
 
 
 def stage_train(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world: int, n_parts: int, evaluate,
