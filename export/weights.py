@@ -1,4 +1,4 @@
-"""One copy of the weights for every ONNX graph of an export (issue 40).
+"""One copy of the weights for every ONNX graph of an export.
 
 Each graph (prefill, a verify graph per tree-budget bucket, the drafter's) is exported with the whole
 model's weights as initializers, so an export of N graphs held N copies (the 135M default target's

@@ -1,5 +1,6 @@
 """Helpers shared by the runtime and the tools: atomic writes and opening images."""
 
+import contextlib
 import gzip
 import json
 import os
@@ -85,6 +86,42 @@ def atomic_folder(path: Path, write) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def exclusive(path: Path):
+    """Hold an exclusive lock on `path`'s lock file (`.NAME.lock` beside it) while the block runs: one process
+    at a time builds a shared cache entry, and the others wait, then read it. Yields whether it holds the
+    lock: where none can be taken (no `fcntl`, an unwritable folder) the block runs unlocked, and the entry
+    is still written atomically."""
+    path = Path(path)
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path.with_name(f".{path.name}.lock"), "a")
+    except (ImportError, OSError):
+        yield False
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def clear_leftovers(path: Path) -> list[Path]:
+    """Remove the temp and set-aside folders a killed `atomic_folder(path, ...)` left beside `path`
+    (`.NAME.*`); call it only while holding `exclusive(path)`, when no live writer can own one. Returns
+    what it removed."""
+    import shutil
+
+    path = Path(path)
+    gone = [p for p in path.parent.glob(f".{path.name}.*") if p.is_dir()] if path.parent.is_dir() else []
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
 
 
 def open_image(path, what: str = "image"):

@@ -1,4 +1,4 @@
-"""A row-invariant matmul on GPUs (issue 39): out = x @ w.T (+ bias), where every output element is
+"""A row-invariant matmul on GPUs: out = x @ w.T (+ bias), where every output element is
 reduced over K in one fixed order, whatever the number of rows M in the call.
 
 GEMM libraries pick tiles, split-K and even the algorithm by M, so a row computed among T verify rows

@@ -33,7 +33,7 @@ rows, tree mask and prefix length (q [B, H, T, D], k, v [B, KVH, L, D], tree_mas
 [B]): the batch is one more grid axis, so one launch covers every sequence of a batched pass and a
 sequence's programs are the ones it gets alone (its result is bit-identical to a call of its own).
 
-Exact numerics (issue 39; `glance_rt.models.exact`): `tree_attention(..., exact=True)` runs the PATH
+Exact numerics (`glance_rt.models.exact`): `tree_attention(..., exact=True)` runs the PATH
 kernel instead, whose every query row gets the bits an autoregressive step at its position gets once its
 path is committed. The tiles above cannot give that: a tree row's ancestors lie at scattered cache rows
 with other branches' rows between them (masked, p = 0, but they still change how a tile's sums group,

@@ -1,4 +1,4 @@
-"""What limits acceptance (issue 19): the drafter's accuracy at each depth of its block, on held-out answers.
+"""What limits acceptance: the drafter's accuracy at each depth of its block, on held-out answers.
 
     python scripts/acceptance_study.py [PER_KIND] [DRAFTER_DIR]     # default: 20 per kind, the shipped drafter
 

@@ -1,4 +1,4 @@
-"""How long a prompt-lookup chain should be (issue 19; docs/benchmarks.md, "Lookup chain length").
+"""How long a prompt-lookup chain should be (docs/benchmarks.md, "Lookup chain length").
 
     python scripts/lookup_study.py runs              # how far the chain lookup proposes is right, per kind
     python scripts/lookup_study.py caps 8:4,8:6 20   # held-out tau with the chain capped at CAP rows

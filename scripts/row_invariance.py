@@ -1,7 +1,7 @@
-"""Row invariance on this machine (issue 39): are torch's CPU kernels row-invariant, does a verify row
+"""Row invariance on this machine: are torch's CPU kernels row-invariant, does a verify row
 get an AR step's bits, and how often does GLANCE commit other tokens than the same engine's AR?
 
-    .venv/bin/python scripts/row_invariance.py --out docs/numerics-2026-12-04   [--quick]
+    .venv/bin/python scripts/row_invariance.py --out runs/numerics   [--quick]
 
 Three tables, in fast and exact numerics (`glance_rt.models.exact`):
 1. linear: elements of F.linear(x[:T], w) that differ from the rows computed one per call, for the
@@ -10,7 +10,7 @@ Three tables, in fast and exact numerics (`glance_rt.models.exact`):
 2. rows: tree rows of a verify pass whose logits equal the AR step's bit for bit (`row_agreement`), on
    every tiny architecture, per dtype;
 3. tokens: GLANCE (every round drafting) against the same engine's AR, greedy and sampled, on the six
-   text decoders issue 39 counted (Llama, Qwen2, Qwen3, Qwen2-VL, Qwen2.5-VL, LLaVA) with an untrained
+   text decoders exact numerics covers (Llama, Qwen2, Qwen3, Qwen2-VL, Qwen2.5-VL, LLaVA) with an untrained
    drafter at budgets 8, 32 and 16 + lookup 3: runs whose tokens differ.
 Writes row_invariance.json and row_invariance.md into --out (write, then rename).
 """

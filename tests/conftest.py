@@ -9,7 +9,8 @@ import torch
 
 from glance_rt.hf.arch import extend_inputs  # noqa: F401  (re-exported for tests)
 
-torch.set_num_threads(2)
+# two xdist workers (scripts/test.sh) each take one of the two cores; a lone pytest process takes both
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 # kernel timings and converted GGUF files (glance_rt.files.cache_root) go to a cache of this test session, not
 # the user's; removed when the session ends (its converted default target is half a GB)
 SESSION_CACHE = None if "GLANCE_RT_CACHE" in os.environ else tempfile.mkdtemp(prefix="glance-rt-test-cache-")
@@ -32,6 +33,12 @@ def pytest_unconfigure(config):
         import shutil
 
         shutil.rmtree(SESSION_CACHE, ignore_errors=True)
+
+
+def extended(*values):
+    """A parametrize case (values) in the extended tier: run by `bash scripts/test.sh --all`, not by CI's tier
+    (docs/testing.md lists what moved there and why)."""
+    return pytest.param(*values, marks=pytest.mark.extended)
 
 
 def pytest_collection_modifyitems(config, items):

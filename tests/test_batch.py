@@ -10,7 +10,7 @@ import torch
 
 import glance_rt
 from glance_rt.round.batch import Batch
-from tests.conftest import called_nodes, hf_greedy, tiny_target
+from tests.conftest import called_nodes, extended, hf_greedy, tiny_target
 from tests.tiny_models import ARCHS, TEXT_ARCHS, make_inputs, make_tiny
 
 PROMPTS = ["Hi.", "Describe what you see in one short sentence, please, with care and in some detail.",
@@ -336,7 +336,7 @@ def test_an_aoti_engine_built_for_batches_decodes_them(tmp_path):
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+@pytest.mark.parametrize("arch", ["llama", extended("qwen2_5_vl")])
 def test_an_onnxruntime_engine_built_for_batches_decodes_them(arch, tmp_path):
     """`build-engine --backend onnxruntime --max-batch 3`: the batched passes are three ONNX graphs whose
     slots (and rows) are symbolic, `verify_batch` (every (slots, rows) bucket), `verify_batch-1` (batched

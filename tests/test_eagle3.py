@@ -1,4 +1,4 @@
-"""The EAGLE-3 head (`glance_rt.models.eagle3`, issue 38) against an independent reference built from
+"""The EAGLE-3 head (`glance_rt.models.eagle3`) against an independent reference built from
 transformers' Llama parts (`tests/eagle3_reference.py`): the same tensor names (a strict state-dict load)
 and the same states and logits, step after step with the head's own states fed back."""
 

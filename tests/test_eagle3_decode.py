@@ -1,4 +1,4 @@
-"""Decoding with an EAGLE-3 head (issue 38): the head's own draft passes grow EAGLE's dynamic tree and
+"""Decoding with an EAGLE-3 head: the head's own draft passes grow EAGLE's dynamic tree and
 glance-rt verifies it. Every output is the target's (HF greedy; seed-exact sampling equals the same
 engine's AR sampling) on all nine architectures; each tree node's score is the head's log-probability
 of its path, recomputed from scratch; the context rows the loop hands the head are the committed ones."""

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 import glance_rt
 from glance_rt.cli import main
 from glance_rt.engines.engine import build_engine
-from tests.conftest import hf_greedy, tiny_target, vocab_drafter
+from tests.conftest import extended, hf_greedy, tiny_target, vocab_drafter
 from tests.test_cli import model_folder
 from tests.tiny_models import VLM_ARCHS, make_inputs
 
@@ -57,7 +57,8 @@ def test_aoti_engine_one_token_prompt(llama_engine):
     assert dec.generate(max_new_tokens=NEW, **inputs).token_ids == hf_greedy(model, inputs, NEW)
 
 
-@pytest.mark.parametrize("arch, flavor", [("qwen2_5_vl", "frozen"), ("qwen3", "shared"), ("qwen2_5_vl", "shared")])
+@pytest.mark.parametrize("arch, flavor", [("qwen2_5_vl", "frozen"), ("qwen3", "shared"),
+                                                 extended("qwen2_5_vl", "shared")])
 def test_aoti_engine_vlm_and_autoregression(arch, flavor, tmp_path):
     target, model, processor = tiny_target(arch)
     inputs = make_inputs(arch, processor, n_images=1 if arch in VLM_ARCHS else 0)

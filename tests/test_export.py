@@ -15,7 +15,7 @@ import glance_rt
 from glance_rt.cli import main
 from glance_rt.export.onnx import export_model, written_rows
 from glance_rt.round.verify import example_inputs, static_graphs, static_shapes
-from tests.conftest import hf_greedy, tiny_target, vocab_drafter
+from tests.conftest import extended, hf_greedy, tiny_target, vocab_drafter
 from tests.test_cli import model_folder
 from tests.tiny_models import ARCHS, VLM_ARCHS, make_inputs
 
@@ -172,7 +172,7 @@ def test_an_onnxruntime_engine_with_mapped_weights_reads_one_memory_map(tmp_path
                      progress=False, mapped_weights=True)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
+@pytest.mark.parametrize("arch", ["llama", extended("qwen2_5_vl")])
 def test_one_verify_graph_with_dynamic_rows_serves_every_tree_bucket(arch, tmp_path):
     """`--dynamic-rows`: the tree buckets' verify graphs are ONE graph whose row dimension is symbolic
     (the one-row AR step keeps its own); run at each bucket's rows it gives the torch verify pass's outputs

@@ -125,6 +125,7 @@ def test_plan_prints_the_wheels(tmp_path):
     assert lines == [f"{n}=={v}" for n, v in plan["carried"].items()] and "transformers" in plan["carried"]
 
 
+@pytest.mark.extended  # 2 min: the script's other sections and its pieces stay in CI's tier
 def test_cpu_gpu_tests_real_and_numerics_sections(tmp_path):
     """gpu_tests runs `pytest -m gpu` from a copy of tests/ (here: collected, skipped); real is skipped
     cleanly without --target; numerics counts verify rows and GLANCE runs equal to AR, fast and exact
@@ -141,6 +142,7 @@ def test_cpu_gpu_tests_real_and_numerics_sections(tmp_path):
 
 
 @pytest.mark.full
+@pytest.mark.extended  # 5 min: each section's parts are tested on their own in CI's tier
 def test_cpu_run_of_every_section(tmp_path):
     """`gpu_check.py --cpu`: every section at toy sizes (the script itself), in a few minutes."""
     run_script("--cpu", "--out", str(tmp_path), "--compile-archs", "llama", "--budgets", "4",
@@ -169,6 +171,7 @@ def _pypi_reachable() -> bool:
 
 
 @pytest.mark.full
+@pytest.mark.extended  # 1 min: the closure's contents and the travel budget stay in CI's tier
 def test_closure_imports_on_a_stand_in_of_the_image():
     """`gpu_check.sh --check-closure`: the carried wheels, --no-index over a Python 3.12 venv with the
     image's torch 2.11 and pins, import transformers and glance_rt and run a toy lossless sweep."""

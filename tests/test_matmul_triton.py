@@ -1,4 +1,4 @@
-"""The row-invariant Triton matmul (plugins/matmul_triton.py, issue 39) through Triton's interpreter
+"""The row-invariant Triton matmul (plugins/matmul_triton.py) through Triton's interpreter
 (conftest sets TRITON_INTERPRET=1 without a GPU): it computes the linear layer, a row gets the same bits
 whatever the number of rows in the call, and a planted split-K variant fails that same check."""
 

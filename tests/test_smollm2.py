@@ -90,6 +90,7 @@ def test_shipped_drafter_is_dflash_compatible(cases):
     assert deepest > 2  # and some round accepts several (the haiku's chain reaches 2 with today's drafter)
 
 
+@pytest.mark.extended  # 5 min: compile and AOTInductor engines on the tiny architectures stay in CI's tier
 def test_shipped_drafter_compiled_and_aoti_engine_match_hf(cases, tmp_path):
     """The compiled backend and an AOTInductor engine of the default target + shipped drafter give
     HF's greedy tokens (the eager backend is covered above)."""
@@ -105,6 +106,7 @@ def test_shipped_drafter_compiled_and_aoti_engine_match_hf(cases, tmp_path):
         assert engine.generate(max_new_tokens=NEW, **inputs).token_ids == ref
 
 
+@pytest.mark.extended  # 2.5 min: ONNX Runtime engines of the tiny architectures stay in CI's tier
 def test_shipped_drafter_onnxruntime_engine_matches_hf(cases, tmp_path):
     """`glance-rt export` of the default target + shipped drafter, run through ONNX Runtime."""
     pytest.importorskip("onnxruntime")
@@ -120,7 +122,8 @@ def test_shipped_drafter_onnxruntime_engine_matches_hf(cases, tmp_path):
 
 def test_gguf_loads_from_its_converted_copy_as_from_the_file(tmp_path, monkeypatch):
     """The first load of a GGUF keeps a converted folder; later loads read it: the same tensors, config,
-    generation config and tokenizer as converting the file. A damaged copy is converted again."""
+    generation config and tokenizer as converting the file. A damaged copy is converted again, and a killed
+    conversion's temp folder is removed at the next load."""
     import torch
 
     from glance_rt.errors import GlanceWarning
@@ -132,8 +135,13 @@ def test_gguf_loads_from_its_converted_copy_as_from_the_file(tmp_path, monkeypat
     assert not (tmp_path / "gguf").exists()
     glance_rt.load_target(None)  # converts and keeps the copy
     folder = gguf_cache_folder(default_gguf_path(), torch.float32)
-    assert [p.name for p in (tmp_path / "gguf").iterdir()] == [folder.name]  # no half-written folder beside it
-    cached = glance_rt.load_target(None)
+    lock = f".{folder.name}.lock"  # held while a process converts (files.exclusive)
+    assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == sorted([folder.name, lock])  # nothing half-written
+    (tmp_path / "gguf" / f".{folder.name}.k1ll3d").mkdir()  # what a conversion killed mid-write leaves
+    (tmp_path / "gguf" / f".{folder.name}.k1ll3d" / "model.safetensors").write_bytes(b"half")
+    with pytest.warns(GlanceWarning, match="did not finish"):
+        cached = glance_rt.load_target(None)
+    assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == sorted([folder.name, lock])  # cleared
     assert cached.hf_model.config._name_or_path == str(folder)  # read from the copy, not the GGUF
 
     def same(a, b):

@@ -463,15 +463,3 @@ def test_resume_with_more_steps_continues_a_finished_run(tmp_path):
     assert json.loads((out / "eval.json").read_text())["config"]["steps"] == 9 == result["config"]["steps"]
     assert not any(p.name.endswith(".old") for p in out.iterdir())
 
-
-def test_atomic_remove_renames_then_deletes_and_clears_a_killed_calls_leftover(tmp_path):
-    from glance_rt.files import atomic_remove
-
-    (tmp_path / "d").mkdir()
-    (tmp_path / "d" / "w.bin").write_bytes(b"x")
-    (tmp_path / ".d.old").mkdir()  # what a kill between the rename and the delete leaves
-    (tmp_path / "f.json").write_text("{}")
-    atomic_remove(tmp_path / "d")
-    atomic_remove(tmp_path / "f.json")
-    atomic_remove(tmp_path / "absent")
-    assert list(tmp_path.iterdir()) == []

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from glance_rt.errors import GlanceError, GlanceWarning
-from glance_rt.files import atomic_folder, cache_root
+from glance_rt.files import atomic_folder, cache_root, clear_leftovers, exclusive
 from glance_rt.hf.arch import SUPPORTED, capture_prefill, text_parts
 from glance_rt.hf.processors import load_processor
 
@@ -158,23 +158,32 @@ def _load_gguf(path: Path, dtype: torch.dtype, cache: bool):
     """A GGUF model and its tokenizer. Converting one (parsing, de-quantizing) takes transformers tens of
     seconds, so the result is kept as a Hugging Face folder (`gguf_cache_folder`) and later loads read
     that: the same tensors, config and tokenizer. The folder appears whole or not at all."""
+    folder = gguf_cache_folder(path, dtype) if cache else None
+    if folder is None:
+        return _read_gguf(path, dtype)
+    with exclusive(folder) as locked:  # two processes loading the file at once: one converts, the other reads
+        if locked:  # no live writer: a killed conversion's temp folder (half a GB for the default) goes
+            for p in clear_leftovers(folder):
+                warnings.warn(f"removed {p}, left by a conversion that did not finish", GlanceWarning, stacklevel=3)
+        return _load_gguf_cached(path, dtype, folder)
+
+
+def _load_gguf_cached(path: Path, dtype: torch.dtype, folder: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = gguf_cache_folder(path, dtype) if cache else None
-    if folder is not None and folder.is_dir():
+    if folder.is_dir():
         try:
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
             return model, AutoTokenizer.from_pretrained(folder, local_files_only=True)
         except Exception as e:  # a damaged copy raises what its reader raises (safetensors, tokenizers)
             warnings.warn(f"the converted copy of {path} in {folder} could not be read ({e}); converting the "
-                          "GGUF file again", GlanceWarning, stacklevel=3)
+                          "GGUF file again", GlanceWarning, stacklevel=4)
     model, tok = _read_gguf(path, dtype)
-    if folder is not None:
-        try:
-            atomic_folder(folder, lambda tmp: _write_converted(model, tok, tmp))
-        except OSError as e:  # an unwritable cache costs the next load a conversion, nothing else
-            warnings.warn(f"could not keep a converted copy of {path} in {folder} ({e}); set GLANCE_RT_CACHE to "
-                          "a writable folder to load it faster next time", GlanceWarning, stacklevel=3)
+    try:
+        atomic_folder(folder, lambda tmp: _write_converted(model, tok, tmp))
+    except OSError as e:  # an unwritable cache costs the next load a conversion, nothing else
+        warnings.warn(f"could not keep a converted copy of {path} in {folder} ({e}); set GLANCE_RT_CACHE to "
+                      "a writable folder to load it faster next time", GlanceWarning, stacklevel=4)
     return model, tok
 
 

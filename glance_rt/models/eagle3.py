@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft head (issue 38): the autoregressive baseline GLANCE is compared against.
+"""The EAGLE-3 draft head: the autoregressive baseline GLANCE is compared against.
 
 EAGLE-3 (Li et al., 2025) drafts one token per pass from the target's own hidden states:
 - `fc: Linear(3 * H_target -> H)` fuses the target's low, middle and high layer outputs (concatenated in

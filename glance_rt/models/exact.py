@@ -1,4 +1,4 @@
-"""Exact numerics (issue 39): a decode pass computes each row bit for bit as an autoregressive step does.
+"""Exact numerics: a decode pass computes each row bit for bit as an autoregressive step does.
 
 A verify pass of T tree rows and an autoregressive step of one row take different paths through
 torch's kernels, so the same position's logits differ in their last bits (measured on this CPU with

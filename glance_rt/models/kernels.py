@@ -1,4 +1,4 @@
-"""Which kernel runs each linear layer, chosen by measuring this machine (issue 20).
+"""Which kernel runs each linear layer, chosen by measuring this machine.
 
 A round's linear layers are GEMMs of a few rows (a tree of budget+1 rows, a draft block, one row in
 autoregression) plus the prompt's prefill. Which kernel is fastest at those shapes depends on the

@@ -1,4 +1,4 @@
-"""The EAGLE-3 draft pass (issue 38): the head's own KV cache, a context pass over the rows the target
+"""The EAGLE-3 draft pass: the head's own KV cache, a context pass over the rows the target
 committed, then EAGLE's dynamic tree, one draft pass per depth.
 
 Row t of the head pairs a state with the embedding of token t+1 at RoPE position t and predicts token

@@ -1,4 +1,4 @@
-"""The pass-level kernel check (issue 20): a pass keeps the kernels chosen layer by layer only at the
+"""The pass-level kernel check: a pass keeps the kernels chosen layer by layer only at the
 row classes where the whole pass runs faster with them than with torch's own linear everywhere.
 
 Each linear layer's kernel is chosen by timing that layer alone (`glance_rt.models.kernels`), and the

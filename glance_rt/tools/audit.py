@@ -9,7 +9,7 @@ is the known effect of batched vs one-token kernels.
 Sampling: vs the same engine's autoregressive sampling with the same seed (HF samples with its own
 RNG, so its tokens are not comparable); any divergence fails (no margin is reported).
 
-Exact numerics (`--exact`, issue 39): vs the same engine's autoregression in exact numerics, greedy or
+Exact numerics (`--exact`): vs the same engine's autoregression in exact numerics, greedy or
 sampled, in any dtype: the tokens must be identical, near ties included.
 """
 

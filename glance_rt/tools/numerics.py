@@ -1,4 +1,4 @@
-"""Row invariance (issue 39): does a verify pass compute a tree row's logits bit for bit like the
+"""Row invariance: does a verify pass compute a tree row's logits bit for bit like the
 autoregressive step at that position with the same prefix?
 
 Two measurements:

@@ -1,4 +1,4 @@
-"""The EAGLE-3 baseline head's training objective: training-time test (issue 38).
+"""The EAGLE-3 baseline head's training objective: training-time test.
 
 EAGLE-3 drafts from its own states after the first step, so it is trained on them: the head is unrolled
 `steps` times over a sequence, each step's rows reading the states the step before produced, with a
