@@ -27,3 +27,30 @@ def test_exclusive_holds_the_entrys_lock_until_the_block_ends(tmp_path):
                 fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
     with open(entry.with_name(".model-1234.lock")) as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free once the block has ended
+
+
+def test_pruning_checkpoints_never_leaves_a_half_deleted_one(tmp_path, monkeypatch):
+    """A kill while a checkpoint is deleted leaves it whole or hidden, never a `step-N` that `--resume`
+    would read as complete; the next prune clears the hidden leftover."""
+    import shutil
+
+    from glance_rt.tools.training.loop import prune_checkpoints
+
+    ckpts = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4):
+        (ckpts / f"step-{step:06d}").mkdir(parents=True)
+        (ckpts / f"step-{step:06d}" / "drafter.safetensors").write_bytes(b"w")
+    rmtree = shutil.rmtree
+
+    def killed(path, *a, **kw):  # the process dies mid-delete
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prune_checkpoints(tmp_path, best=1, keep=2)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    visible = sorted(p.name for p in ckpts.glob("step-*"))
+    assert visible == ["step-000001", "step-000003", "step-000004"]  # step 2 is gone from view, not half there
+    assert all((ckpts / n / "drafter.safetensors").exists() for n in visible)
+    prune_checkpoints(tmp_path, best=1, keep=2)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-000001", "step-000003", "step-000004"]

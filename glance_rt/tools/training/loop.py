@@ -127,10 +127,15 @@ def save_checkpoint(objective, opt, step: int, out: Path) -> None:
 
 
 def prune_checkpoints(out: Path, best: int | None, keep: int = 2) -> None:
-    """Delete all checkpoints but the last `keep` and the best one."""
-    for p in sorted((out / "checkpoints").glob("step-*"))[:-keep]:
+    """Delete all checkpoints but the last `keep` and the best one, each renamed aside first
+    (`atomic_remove`): a kill mid-delete leaves a hidden `.step-N.old`, cleared here next time, never a
+    half-deleted checkpoint that `--resume` would read as complete."""
+    folder = out / "checkpoints"
+    for p in folder.glob(".step-*.old"):  # a killed prune's leftovers: hidden, so deleted in place
+        shutil.rmtree(p, ignore_errors=True)
+    for p in sorted(folder.glob("step-*"))[:-keep]:
         if int(p.name.split("-")[1]) != best:
-            shutil.rmtree(p, ignore_errors=True)
+            atomic_remove(p)
 
 
 # ----------------------------------------------------------------------------- held-out validation
