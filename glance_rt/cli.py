@@ -729,8 +729,9 @@ def export(target_path, drafter_path, out, budgets, chain, max_length, chunk, op
 @click.option("--model-name", default=None, help="The model id /v1/models lists (default: the target's name).")
 @click.option("--max-batch", type=int, default=None,
               help=f"Requests decoded at once (continuous batching; a cache slot of --max-length rows each). "
-                   f"Default: {DEFAULT_SERVE_BATCH} where batched rounds run (eager or compiled passes; not engines "
-                   f"or EAGLE-3 heads), else 1.")
+                   f"Default: {DEFAULT_SERVE_BATCH} where batched rounds run (eager or compiled passes; not "
+                   f"EAGLE-3 heads), else 1; with --engine, the batch the engine was built for "
+                   f"(build-engine --max-batch).")
 @click.option("--api-key", envvar="GLANCE_RT_API_KEY", default=None,
               help="Every /v1 request must send 'Authorization: Bearer KEY' (401 otherwise; /health and /metrics "
                    "stay open). Required to bind anywhere but loopback. Env: GLANCE_RT_API_KEY.")
