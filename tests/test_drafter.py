@@ -204,3 +204,23 @@ def test_copy_head_saves_glance_only_and_runs_eager_only(tmp_path):
         glance_rt.Decoder(target, loaded, backend="compile")
     with pytest.raises(GlanceError, match="whole vocabulary"):
         glance_rt.init_drafter(target, copy_head=True, draft_vocab_size=10)
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda c: [], "JSON object"), (lambda c: None, "JSON object"),
+    (lambda c: {**c, "hidden_size": "64"}, "hidden_size"), (lambda c: {**c, "num_attention_heads": 2.5},
+                                                            "num_attention_heads"),
+    (lambda c: {**c, "block_size": True}, "block_size"), (lambda c: {**c, "rms_norm_eps": "1e-6"}, "rms_norm_eps"),
+    (lambda c: {**c, "dflash_config": [1]}, "dflash_config"),
+    (lambda c: {**c, "dflash_config": {**c["dflash_config"], "target_layer_ids": [0, "1"]}}, "target_layer_ids"),
+])
+def test_config_of_the_wrong_type_names_the_field(tmp_path, edit, field):
+    """Valid JSON of the wrong shape or types is a GlanceError saying which field to fix, not an
+    AttributeError or a transformers validation error."""
+    target, _, _ = tiny_target("llama")
+    path = tmp_path / "d"
+    glance_rt.init_drafter(target, block_size=4).save(path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(edit(cfg)))
+    with pytest.raises(GlanceError, match=field):
+        glance_rt.load_drafter(path, target)
