@@ -44,6 +44,33 @@ def write_json(path, doc) -> None:
     atomic_write(path, lambda p: p.write_bytes(text))
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+JSON_KINDS = {  # kind -> (test, what the message asks for)
+    "object": (lambda v: isinstance(v, dict), "an object"),
+    "integer": (_is_int, "an integer"),
+    "number": (lambda v: _is_int(v) or isinstance(v, float), "a number"),
+    "integers": (lambda v: isinstance(v, list) and all(_is_int(i) for i in v), "a list of integers"),
+}
+
+
+def check_json_fields(doc, fields: dict[str, str], what: str) -> None:
+    """GlanceError naming the field where `doc` (JSON read from a file: `what`) is not an object, or where a
+    field of `fields` (dotted name -> a kind of `JSON_KINDS`) is present with another type, before anything
+    reads it (`"hidden_size": "64"`, `"num_attention_heads": 2.5`)."""
+    if not isinstance(doc, dict):
+        raise GlanceError(f"{what} must be a JSON object, got {type(doc).__name__}")
+    for name, kind in fields.items():
+        parent, _, key = name.rpartition(".")
+        scope = doc.get(parent) if parent else doc
+        value = scope.get(key) if isinstance(scope, dict) else None
+        test, want = JSON_KINDS[kind]
+        if value is not None and not test(value):
+            raise GlanceError(f"{what}: {name} must be {want}, got {value!r}; fix that field")
+
+
 def atomic_remove(path: Path) -> None:
     """Remove a file or folder by renaming it aside (`.NAME.old`), then deleting that: a kill leaves the
     whole thing or a hidden leftover (cleared by the next call), never a half-deleted one that looks complete."""

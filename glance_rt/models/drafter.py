@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glance_rt.errors import GlanceError
-from glance_rt.files import atomic_folder
+from glance_rt.files import atomic_folder, check_json_fields
 from glance_rt.hf.embedded import default_drafter_path
 from glance_rt.models.target import apply_rope
 
@@ -348,43 +348,15 @@ def _refuse(field: str, why: str) -> None:
                       "reference drafts, so it refuses the folder")
 
 
-INT_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-              "vocab_size", "num_hidden_layers", "num_target_layers", "block_size", "max_position_embeddings",
-              "dflash_config.block_size", "dflash_config.mask_token_id", "mask_token_id", "glance.draft_vocab_size")
-FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor")
-DICT_FIELDS = ("dflash_config", "glance", "rope_scaling", "rope_parameters")
-
-
-def check_config_types(d) -> None:
-    """GlanceError naming the field where a drafter config.json is not an object or a field has the wrong
-    type (`"hidden_size": "64"`, `"num_attention_heads": 2.5`), before anything reads it."""
-    if not isinstance(d, dict):
-        raise GlanceError(f"a drafter config.json must be a JSON object, got {type(d).__name__}")
-
-    def get(name):
-        parent, _, key = name.rpartition(".")
-        scope = d.get(parent) if parent else d
-        return scope.get(key) if isinstance(scope, dict) else None
-
-    def wrong(name, value, want):
-        raise GlanceError(f"config.json: {name} must be {want}, got {value!r}; fix that field")
-
-    for name in DICT_FIELDS:
-        if get(name) is not None and not isinstance(get(name), dict):
-            wrong(name, get(name), "an object")
-    for name in INT_FIELDS:
-        v = get(name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-            wrong(name, v, "an integer")
-    for name in FLOAT_FIELDS:
-        v = get(name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            wrong(name, v, "a number")
-    for name in ("target_layer_ids", "dflash_config.target_layer_ids"):
-        v = get(name)
-        if v is not None and not (isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool)
-                                                              for i in v)):
-            wrong(name, v, "a list of integers")
+CONFIG_FIELDS = {  # the kind (glance_rt.files.JSON_KINDS) of each config.json field the reader takes
+    **dict.fromkeys(("dflash_config", "glance", "rope_scaling", "rope_parameters"), "object"),
+    **dict.fromkeys(("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                     "vocab_size", "num_hidden_layers", "num_target_layers", "block_size", "max_position_embeddings",
+                     "dflash_config.block_size", "dflash_config.mask_token_id", "mask_token_id",
+                     "glance.draft_vocab_size"), "integer"),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta", "partial_rotary_factor"), "number"),
+    **dict.fromkeys(("target_layer_ids", "dflash_config.target_layer_ids"), "integers"),
+}
 
 
 def _config_from_json(d: dict) -> DrafterConfig:
@@ -392,7 +364,7 @@ def _config_from_json(d: dict) -> DrafterConfig:
     which also turns a legacy `rope_scaling` into `rope_parameters`)."""
     from transformers import Qwen3Config
 
-    check_config_types(d)
+    check_json_fields(d, CONFIG_FIELDS, "a drafter config.json")
     dflash = d.get("dflash_config") or {}
     glance = d.get("glance") or {}
     heads = d["num_attention_heads"]
