@@ -326,6 +326,9 @@ def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> 
 @click.option("--copy-head", is_flag=True,
               help="Glance-only: a pointer over the context rows mixed into each depth's distribution, so answers "
                    "that copy what the target read are drafted by copying (eager backend only; not DFlash-compatible).")
+@click.option("--copy-span", is_flag=True,
+              help="The copy head in span form (implies --copy-head): one pointer finds where in the context the "
+                   "block is, and depth d copies the d-th token after it, a learned prompt lookup.")
 @click.option("--features", "feature_mode", type=click.Choice(["cached", "online"]), default="cached",
               show_default=True,
               help="'cached': the target's features are written to disk once (stage 2); 'online': the target "
@@ -337,7 +340,8 @@ def train(target_path, prompts, images, out, head, num_layers, block_size, ttt_s
           response_tokens,
           response_batch, steps, batch_size, blocks_per_seq, lr, gamma, seed, save_every, eval_every,
           eval_per_kind, eval_budget, eval_lookup, limit, per_kind, bf16, draft_vocab, mask_token_id,
-          learned_mask, store, init_from, init_layers, distill, copy_head, feature_mode, until, resume):
+          learned_mask, store, init_from, init_layers, distill, copy_head, copy_span, feature_mode, until,
+          resume):
     """Train a GLANCE drafter (or an EAGLE-3 head) for a target by self-distillation (resumable; torchrun
     for data parallel)."""
     try:
@@ -354,7 +358,7 @@ def train(target_path, prompts, images, out, head, num_layers, block_size, ttt_s
                           eval_budget=eval_budget, eval_lookup=eval_lookup, limit=limit, per_kind=per_kind,
                           bf16=bf16, draft_vocab=draft_vocab or None, mask_token_id=mask_token_id,
                           learned_mask=learned_mask, store=store, init_from=init_from, distill=distill,
-                          copy_head=copy_head,
+                          copy_head=copy_head or copy_span, copy_span=copy_span,
                           init_layers=tuple(int(x) for x in init_layers.split(",")) if init_layers else None,
                           features=feature_mode,
                           until=until, resume=resume)

@@ -162,13 +162,13 @@ def test_bad_draft_vocab_is_refused(tmp_path):
         glance_rt.init_drafter(target, draft_vocab_size=target.vocab_size + 1)
 
 
-def copy_drafter(target, block_size=5, seed=7):
+def copy_drafter(target, block_size=5, seed=7, span=False):
     """A random drafter with a copy head that trusts its pointer about half the time."""
-    return glance_rt.init_drafter(target, block_size=block_size, seed=seed, copy_head=True)
+    return glance_rt.init_drafter(target, block_size=block_size, seed=seed, copy_head=True, copy_span=span)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_5_vl"])
-def test_copy_head_drafter_is_lossless(arch):
+@pytest.mark.parametrize(("arch", "span"), [("llama", False), ("qwen2_5_vl", False), ("llama", True)])
+def test_copy_head_drafter_is_lossless(arch, span):
     """A copy head's drafts (the pointer mixed in) change acceptance, never the output: trees with and
     without lookup, chains, and two sequences batched, all give HF greedy's tokens."""
     from tests.conftest import hf_greedy
@@ -176,7 +176,7 @@ def test_copy_head_drafter_is_lossless(arch):
     target, model, processor = tiny_target(arch)
     inputs = make_inputs(arch, processor)
     ref = hf_greedy(model, inputs, 20)
-    d = copy_drafter(target)
+    d = copy_drafter(target, span=span)
     for kw in ({"tree_budget": 12, "lookup": 0}, {"tree_budget": 8}, {"chain": True}):
         dec = glance_rt.Decoder(target, d, gate=False, **kw)
         out = dec.generate(max_new_tokens=20, **inputs)
@@ -188,22 +188,48 @@ def test_copy_head_drafter_is_lossless(arch):
     assert [r.token_ids for r in batch.run([{**inputs, "max_new_tokens": 20}] * 2)] == [ref, ref]
 
 
+def test_copy_span_reads_the_span_forward():
+    """The span form points once (the first draft row's query) and depth q copies the q-th token after the
+    pointed row's next token; a row whose copied token is not yet committed is not visible to that depth.
+    The per-row form proposes each row's next token at every depth."""
+    target, _, _ = tiny_target("llama")
+    d = copy_drafter(target, block_size=6, span=True).float()
+    next_ids = torch.tensor([11, 12, 13, 14, 15, 16, 17, 18, 19, 20])  # [m] the token after each context row
+    ids, visible = d.copy_targets(next_ids, torch.tensor(8), 5)
+    assert ids[:, 3].tolist() == [14, 15, 16, 17, 18] and visible[:, 3].tolist() == [True] * 5
+    assert visible[:, 5].tolist() == [True, True, True, False, False]  # rows 5 + q < 8 only
+    hidden = torch.randn(5, d.config.hidden_size)  # [Q, H]
+    keys = torch.zeros(10, d.config.head_dim)
+    keys[3] = 50 * d.copy_q(hidden[0]) / d.copy_q(hidden[0]).norm()  # every depth points at row 3 ...
+    with torch.no_grad():
+        d.copy_gate.weight.zero_()
+        d.copy_gate.bias.fill_(30.0)  # ... and trusts the pointer
+        logp = d.copy_mix(hidden, torch.zeros(5, target.vocab_size), keys, ids, visible)
+    assert logp.argmax(-1).tolist() == [14, 15, 16, 17, 18]  # the span after row 3, read forward
+    rows = copy_drafter(target, block_size=6)
+    ids, visible = rows.copy_targets(next_ids, torch.tensor(8), 5)
+    assert (ids == next_ids[:, None].T).all() and visible[:, :8].all() and not visible[:, 8:].any()
+
+
 def test_copy_head_saves_glance_only_and_runs_eager_only(tmp_path):
     from glance_rt.models.drafter import check_dflash
 
     target, _, _ = tiny_target("llama")
-    d = copy_drafter(target)
+    d = copy_drafter(target, span=True)
     d.save(tmp_path / "d")
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
-    assert cfg["glance"]["copy_head"] is True and cfg["architectures"] == ["GlanceDraftModel"]
+    assert cfg["glance"]["copy_head"] is True and cfg["glance"]["copy_span"] is True
+    assert cfg["architectures"] == ["GlanceDraftModel"]
     loaded = glance_rt.load_drafter(tmp_path / "d", target)
-    assert loaded.config.copy_head and torch.equal(loaded.copy_q.weight, d.copy_q.weight)
+    assert loaded.config.copy_span and torch.equal(loaded.copy_q.weight, d.copy_q.weight)
     with pytest.raises(GlanceError, match="copy head"):
         check_dflash(tmp_path / "d")
     with pytest.raises(GlanceError, match="eager backend only"):
         glance_rt.Decoder(target, loaded, backend="compile")
     with pytest.raises(GlanceError, match="whole vocabulary"):
         glance_rt.init_drafter(target, copy_head=True, draft_vocab_size=10)
+    with pytest.raises(GlanceError, match="needs copy_head"):
+        glance_rt.init_drafter(target, copy_span=True)
 
 
 @pytest.mark.parametrize("edit, field", [

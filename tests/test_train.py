@@ -78,10 +78,12 @@ def train_killed_at(monkeypatch, target, cfg, step: int) -> None:
     monkeypatch.setattr(tm, "lr_at", real_lr)
 
 
-@pytest.mark.parametrize(("arch", "copy_head"), [("llama", False), ("qwen2_5_vl", False), ("llama", True)])
+@pytest.mark.parametrize(("arch", "copy_head"), [("llama", False), ("qwen2_5_vl", False), ("llama", "rows"),
+                                                 ("llama", "span")])
 def test_training_pass_is_the_inference_pass(arch, copy_head):
     """block_forward (many anchored blocks, block-sparse mask) == DraftPass (cache, one block); with a
-    copy head, the training mixture (`copy_logprobs`) == the draft pass's, pointing at the same rows."""
+    copy head (per row, or in span form), the training mixture (`copy_logprobs`) == the draft pass's,
+    pointing at the same rows."""
     from glance_rt.tools.training.data import Sequence
     from glance_rt.tools.training.glance import copy_logprobs
 
@@ -90,7 +92,7 @@ def test_training_pass_is_the_inference_pass(arch, copy_head):
     ref = hf_greedy(model, inputs, 16)
     learned = arch == "qwen2_5_vl"  # one case masks with a learned embedding, the other with a token's (DFlash)
     drafter = glance_rt.init_drafter(target, num_layers=2, block_size=5, seed=3, learned_mask=learned,
-                                     copy_head=copy_head).float()
+                                     copy_head=bool(copy_head), copy_span=copy_head == "span").float()
     if learned:
         with torch.no_grad():
             torch.nn.init.normal_(drafter.mask_embedding)

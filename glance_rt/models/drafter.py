@@ -18,7 +18,9 @@ glance-rt drafts, when it uses no glance-only extension: its mask is the embeddi
   instead of 49k, at the cost of never drafting a rare token; verification still decides every token);
 - a copy head (`copy_q`, `copy_k`, `copy_gate`): a pointer from each block row over the context rows,
   proposing the token that followed each, mixed into the row's distribution by a learned gate
-  (`GlanceDrafter.copy_mix`), so an answer that copies what the target read is drafted by copying.
+  (`GlanceDrafter.copy_mix`), so an answer that copies what the target read is drafted by copying;
+  in its span form (`copy_span`) one pointer, the first draft row's, finds where in the context the block
+  is, and depth d copies the d-th token after that row (a learned prompt lookup: the span read forward).
 A folder with an extension is written as architecture `GlanceDraftModel`, so a DFlash loader that
 dispatches on the architecture refuses it instead of drafting other tokens.
 
@@ -70,6 +72,7 @@ class DrafterConfig:
     learned_mask: bool = False  # ... or a learned mask embedding `mask_embedding` (glance-only)
     draft_vocab_size: int | None = None  # None: the whole vocabulary; else a `draft_vocab` buffer (glance-only)
     copy_head: bool = False  # glance-only: a pointer over the context rows, mixed into each depth (`copy_mix`)
+    copy_span: bool = False  # the copy head's span form: one pointer, depth d copies the d-th token after it
 
     def __post_init__(self):  # one spelling per config: sorted, hashable, without the default rope_type
         rope = {k: tuple(v) if isinstance(v, list) else v for k, v in dict(self.rope_scaling).items()}
@@ -86,6 +89,8 @@ class DrafterConfig:
         if self.mask_token_id is None and not self.learned_mask:
             raise GlanceError("a drafter needs a mask token (dflash_config.mask_token_id in config.json, DFlash's "
                               "form) or a learned mask embedding (glance.learned_mask)")
+        if self.copy_span and not self.copy_head:
+            raise GlanceError("copy_span is a form of the copy head: it needs copy_head")
         if self.copy_head and self.draft_vocab_size is not None:
             raise GlanceError("a copy head proposes any context token: it needs the whole vocabulary (no draft_vocab)")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -281,20 +286,33 @@ class GlanceDrafter(nn.Module):
             h = layer_out(layer, h, attend(i, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v))
         return self.norm(h)
 
-    def copy_mix(self, hidden: Tensor, logits: Tensor, keys: Tensor, next_ids: Tensor, visible: Tensor) -> Tensor:
+    def copy_targets(self, next_ids: Tensor, start: Tensor, depths: int) -> tuple[Tensor, Tensor]:
+        """What each draft depth's pointer proposes: context rows 0..m-1 hold next_ids [..., m] (the token after
+        each row); a block whose bonus token is at row `start` (a tensor broadcasting to [..., 1, 1]) drafts
+        `depths` rows. -> (ids [..., Q, m], visible [..., Q, m]): row j proposes to depth q the token after it
+        (next_ids[j]) or, in the span form, the q-th token after that (next_ids[j + q]), a token committed
+        before the block (j + shift < start)."""
+        m = next_ids.shape[-1]
+        rows = torch.arange(m, device=next_ids.device)  # [m]
+        shift = torch.arange(depths, device=next_ids.device) if self.config.copy_span else rows.new_zeros(depths)
+        at = rows + shift[:, None]  # [Q, m] the row whose next token depth q copies from pointed row j
+        ids = next_ids[..., at.clamp(max=m - 1)]  # [..., Q, m]
+        return ids, at < start
+
+    def copy_mix(self, hidden: Tensor, logits: Tensor, keys: Tensor, ids: Tensor, visible: Tensor) -> Tensor:
         """The copy head (`copy_head`, glance-only): block rows hidden [..., Q, H] point at the context rows
-        whose pointer keys are keys [..., m, D] (`copy_k` of the context rows) and propose each one's next
-        token next_ids [..., m]; visible [..., Q, m] says which rows each may point at. The pointer's
-        distribution is mixed with the head's softmax(logits [..., Q, V]) by a learned gate per row (a
-        pointer-generator), so copying a span of what the target read is one cheap choice.
-        -> log-probs [..., Q, V] (drafts and trees read them as logits)."""
+        whose pointer keys are keys [..., m, D] (`copy_k` of the context rows); pointing at row j proposes
+        ids[..., q, j] to depth q where visible[..., q, j] (`copy_targets`). The span form points once, from
+        the first draft row. The pointer's distribution is mixed with the head's softmax(logits [..., Q, V])
+        by a learned gate per row (a pointer-generator), so copying a span of what the target read is one
+        cheap choice. -> log-probs [..., Q, V] (drafts and trees read them as logits)."""
         c = self.config
-        scores = self.copy_q(hidden) @ keys.transpose(-1, -2) * c.head_dim**-0.5  # [..., Q, m]
-        scores = scores.float().masked_fill(~visible, float("-inf"))
+        query = hidden[..., :1, :] if c.copy_span else hidden  # [..., 1 or Q, H]
+        scores = self.copy_q(query) @ keys.transpose(-1, -2) * c.head_dim**-0.5  # [..., 1 or Q, m]
+        scores = scores.float().masked_fill(~visible, float("-inf"))  # [..., Q, m]
         can = visible.any(-1, keepdim=True)  # [..., Q, 1] rows with a context row to point at
         point = torch.where(can, scores.softmax(-1), 0.0)  # [..., Q, m] (no NaN where nothing is visible)
-        p_copy = torch.zeros_like(logits, dtype=torch.float32).scatter_add(
-            -1, next_ids.unsqueeze(-2).expand_as(point), point)  # [..., Q, V]
+        p_copy = torch.zeros_like(logits, dtype=torch.float32).scatter_add(-1, ids, point)  # [..., Q, V]
         gate = torch.sigmoid(self.copy_gate(hidden).float()) * can  # [..., Q, 1]
         p = (1 - gate) * logits.float().softmax(-1) + gate * p_copy
         return p.clamp_min(torch.finfo(torch.float32).tiny).log()
@@ -339,7 +357,8 @@ def _config_json(c: DrafterConfig, dtype: torch.dtype) -> dict:
             "mask_token_id": c.mask_token_id,
         },
         "glance": {"format_version": FORMAT_VERSION, "learned_mask": c.learned_mask,
-                   "draft_vocab_size": c.draft_vocab_size, "copy_head": c.copy_head},
+                   "draft_vocab_size": c.draft_vocab_size, "copy_head": c.copy_head,
+                   "copy_span": c.copy_span},
     }
 
 
@@ -419,6 +438,7 @@ def _config_from_json(d: dict) -> DrafterConfig:
         learned_mask=bool(glance.get("learned_mask", False)),
         draft_vocab_size=glance.get("draft_vocab_size"),
         copy_head=bool(glance.get("copy_head", False)),
+        copy_span=bool(glance.get("copy_span", False)),
     )
 
 

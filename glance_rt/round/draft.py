@@ -188,9 +188,8 @@ class DraftPass(nn.Module):
         if copy_at is None:
             return logits
         hidden = hidden.unflatten(0, (-1, self.block_size))[:, 1:]  # [n, B-1, H]
-        cache_rows = torch.arange(self.copy_keys.shape[1], device=hidden.device)  # [M]
-        return torch.stack([d.copy_mix(hidden[j], logits[j], self.copy_keys[slot], self.copy_next[slot],
-                                       (cache_rows < start).expand(self.block_size - 1, -1))
+        return torch.stack([d.copy_mix(hidden[j], logits[j], self.copy_keys[slot],
+                                       *d.copy_targets(self.copy_next[slot], start, self.block_size - 1))
                             for j, (slot, start) in enumerate(copy_at)])  # [n, B-1, V]
 
     def step(self, ctx_feats: Tensor, ctx_start: Tensor, bonus: Tensor, block_start: Tensor, kv_len: int) -> Tensor:

@@ -49,6 +49,8 @@ def check(cfg: TrainConfig) -> None:
     if cfg.head == "eagle3" and (cfg.distill or cfg.init_layers or cfg.copy_head):
         raise GlanceError("--distill, --init-layers and --copy-head are GLANCE drafter options; drop them for "
                           "--head eagle3")
+    if cfg.copy_span and not cfg.copy_head:
+        raise GlanceError("copy_span is a form of the copy head: set copy_head too (the CLI's --copy-span does)")
     if cfg.copy_head and cfg.draft_vocab:
         raise GlanceError("--copy-head proposes any context token: it needs the whole vocabulary (drop --draft-vocab)")
     if cfg.distill < 0:

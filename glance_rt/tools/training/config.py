@@ -39,6 +39,7 @@ class TrainConfig:
     init_layers: tuple[int, ...] | None = None  # glance: drafter layer i starts from target layer init_layers[i]
     distill: int = 0  # glance: 0 = CE on the target's greedy token; K > 0 = soft CE on its top-K distribution
     copy_head: bool = False  # glance-only: a pointer over the context rows mixed into each depth (`copy_mix`)
+    copy_span: bool = False  # the copy head's span form: one pointer, depth d copies the d-th token after it
     store: str | None = None  # a response store folder (glance_rt.tools.store): responses read from and added to it
     seed: int = 0
     save_every: int = 100
@@ -63,6 +64,6 @@ class TrainConfig:
                 "max_seq_len", "seed", "limit", "per_kind", "draft_vocab", "mask_token_id", "learned_mask", "init_from",
                 "head", "ttt_steps", "ttt_positions")
         # options added since: named only when set, so older runs resume
-        later = {"init_layers": None, "distill": 0, "copy_head": False}
+        later = {"init_layers": None, "distill": 0, "copy_head": False, "copy_span": False}
         return {**{k: getattr(self, k) for k in keys}, **{k: getattr(self, k) for k, v in later.items()
                                                           if getattr(self, k) != v}}

@@ -93,12 +93,11 @@ def copy_logprobs(drafter, out: Tensor, logits: Tensor, seq: Sequence, anchors: 
     """The copy head's mixture for one sequence's blocks, as the draft pass computes it: each block row
     points at the context rows before its anchor (what `DraftPass` caches) and proposes the token after
     each. out [K, B-1, H], logits [K, B-1, V] -> log-probs [K, B-1, V]."""
-    ids, length = seq.ids, seq.ids.shape[0]
+    ids = seq.ids
     keys = drafter.copy_k(drafter.context(seq.features))  # [L, D]
     next_ids = torch.cat([ids[1:], ids[-1:]])  # [L] the token after each row (the last row is never visible)
-    visible = torch.arange(length)[None, None, :] < anchors[:, None, None]  # [K, 1, L]
-    k, d = out.shape[:2]
-    return drafter.copy_mix(out, logits, keys[None], next_ids.expand(k, length), visible.expand(k, d, length))
+    targets, visible = drafter.copy_targets(next_ids, anchors[:, None, None], out.shape[1])  # [Q, L], [K, Q, L]
+    return drafter.copy_mix(out, logits, keys[None], targets.expand_as(visible), visible)
 
 
 def start_from_target(drafter, target, layers: tuple[int, ...], calibrate: list[Sequence],
@@ -175,7 +174,7 @@ class GlanceObjective:
         drafter = init_drafter(target, cfg.num_layers, cfg.block_size, seed=cfg.seed, target_layer_ids=layer_ids,
                                draft_vocab_size=None if vocab is None else len(vocab),
                                mask_token_id=cfg.mask_token_id, learned_mask=cfg.learned_mask,
-                               copy_head=cfg.copy_head)
+                               copy_head=cfg.copy_head, copy_span=cfg.copy_span)
         if vocab is not None:
             drafter.draft_vocab.copy_(vocab)
         if cfg.init_layers:
