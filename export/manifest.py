@@ -14,6 +14,7 @@ import torch
 
 from glance_rt import __version__
 from glance_rt.errors import GlanceError
+from glance_rt.files import check_json_fields
 from glance_rt.models.eagle3 import Eagle3Drafter
 from glance_rt.round.tree import check_budget, check_lookup_budget, with_lookup_bucket
 
@@ -68,6 +69,15 @@ def write_manifest(out: Path, manifest: dict) -> None:
     tmp.replace(out / "manifest.json")
 
 
+MANIFEST_FIELDS = {  # the kind (glance_rt.files.JSON_KINDS) of each manifest.json field a load reads
+    **dict.fromkeys(("format", "backend", "numerics", "cache_layout"), "string"),
+    **dict.fromkeys(("source", "versions", "graphs", "kernels", "vision"), "object"),
+    **dict.fromkeys(("budgets", "tree_budgets"), "integers"),
+    **dict.fromkeys(("lookup_budget", "max_len", "chunk", "max_batch", "block_size"), "integer"),
+    **dict.fromkeys(("chain", "dynamic_rows"), "boolean"),
+}
+
+
 def read_manifest(path, backend: str | None = None) -> dict:
     path = Path(path)
     file = path / "manifest.json"
@@ -80,6 +90,7 @@ def read_manifest(path, backend: str | None = None) -> dict:
         m = json.loads(file.read_text())
     except ValueError as e:
         raise GlanceError(f"{file} is corrupt ({e}): rebuild the engine") from e
+    check_json_fields(m, MANIFEST_FIELDS, f"the engine manifest {file}")
     if m.get("format") != FORMAT:
         raise GlanceError(f"{file} is not a {FORMAT} manifest (format {m.get('format')!r}): rebuild the engine")
     if backend is not None and m["backend"] != backend:

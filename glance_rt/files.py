@@ -53,6 +53,8 @@ JSON_KINDS = {  # kind -> (test, what the message asks for)
     "integer": (_is_int, "an integer"),
     "number": (lambda v: _is_int(v) or isinstance(v, float), "a number"),
     "integers": (lambda v: isinstance(v, list) and all(_is_int(i) for i in v), "a list of integers"),
+    "boolean": (lambda v: isinstance(v, bool), "true or false"),
+    "string": (lambda v: isinstance(v, str), "a string"),
 }
 
 

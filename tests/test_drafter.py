@@ -239,6 +239,7 @@ def test_copy_head_saves_glance_only_and_runs_eager_only(tmp_path):
     (lambda c: {**c, "block_size": True}, "block_size"), (lambda c: {**c, "rms_norm_eps": "1e-6"}, "rms_norm_eps"),
     (lambda c: {**c, "dflash_config": [1]}, "dflash_config"),
     (lambda c: {**c, "dflash_config": {**c["dflash_config"], "target_layer_ids": [0, "1"]}}, "target_layer_ids"),
+    (lambda c: {**c, "glance": {**c["glance"], "copy_head": "yes"}}, "glance.copy_head"),
 ])
 def test_config_of_the_wrong_type_names_the_field(tmp_path, edit, field):
     """Valid JSON of the wrong shape or types is a GlanceError saying which field to fix, not an

@@ -183,6 +183,26 @@ def test_fields_that_draft_differently_are_refused(tmp_path, field, value):
         read_eagle3(tmp_path / "h")
 
 
+@pytest.mark.parametrize("change,field", [(None, "must be a JSON object"),
+                                          (lambda d: d.update(hidden_size="64"), "hidden_size"),
+                                          (lambda d: d.update(num_attention_heads=2.5), "num_attention_heads"),
+                                          (lambda d: d.update(rms_norm_eps="1e-6"), "rms_norm_eps"),
+                                          (lambda d: d.update(norm_before_residual="yes"), "norm_before_residual"),
+                                          (lambda d: d.update(eagle_config=[1]), "eagle_config"),
+                                          (lambda d: d.update(eagle_aux_hidden_state_layer_ids=[2, "5"]),
+                                           "eagle_aux_hidden_state_layer_ids")])
+def test_config_of_the_wrong_type_names_the_field(tmp_path, change, field):
+    """Valid JSON of the wrong shape or types is a GlanceError naming the field to fix (a list for the
+    whole config: saying it must be an object), not a TypeError from deep in the reader."""
+    save_eagle3(random_head(), tmp_path / "h")
+    if change is None:
+        (tmp_path / "h" / "config.json").write_text("[1, 2]")
+    else:
+        edit(tmp_path / "h", change)
+    with pytest.raises(GlanceError, match=field):
+        read_eagle3(tmp_path / "h")
+
+
 def test_bad_folders_say_what_is_wrong(tmp_path):
     from safetensors.torch import load_file, save_file
 

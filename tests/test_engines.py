@@ -161,6 +161,11 @@ def test_engine_refuses_what_it_was_not_built_for(llama_engine, tmp_path):
     (copy / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(glance_rt.GlanceError, match="torch .* engine built with 1.0.0"):
         glance_rt.Decoder.from_engine(copy, target, drafter_for(target))
+    for bad, field in (([1], "must be a JSON object"), ({**m, "budgets": ["6"]}, "budgets must be a list of integers"),
+                       ({**m, "max_len": "160"}, "max_len must be an integer"), ({**m, "graphs": []}, "graphs")):
+        (copy / "manifest.json").write_text(json.dumps(bad))
+        with pytest.raises(glance_rt.GlanceError, match=field):
+            glance_rt.Decoder.from_engine(copy, target, drafter_for(target))
     (copy / "manifest.json").unlink()
     with pytest.raises(glance_rt.GlanceError, match="no finished engine"):
         glance_rt.Decoder.from_engine(copy, target, drafter_for(target))

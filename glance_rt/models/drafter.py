@@ -375,6 +375,7 @@ CONFIG_FIELDS = {  # the kind (glance_rt.files.JSON_KINDS) of each config.json f
                      "glance.draft_vocab_size"), "integer"),
     **dict.fromkeys(("rms_norm_eps", "rope_theta", "partial_rotary_factor"), "number"),
     **dict.fromkeys(("target_layer_ids", "dflash_config.target_layer_ids"), "integers"),
+    **dict.fromkeys(("glance.learned_mask", "glance.copy_head", "glance.copy_span"), "boolean"),
 }
 
 

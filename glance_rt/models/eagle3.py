@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from glance_rt.errors import GlanceError
+from glance_rt.files import check_json_fields
 from glance_rt.models.drafter import STATIC_ROPE_TYPES, DraftMLP, RMSNorm, write_model_folder
 from glance_rt.models.target import apply_rope
 
@@ -222,9 +223,21 @@ DRAFTING_FIELDS = {"num_hidden_layers": (1,), "attention_bias": (False,), "hidde
                    "norm_output": (True,), "mlp_bias": (False,)}
 
 
+CONFIG_FIELDS = {  # the kind (glance_rt.files.JSON_KINDS) of each config.json field the reader takes
+    **dict.fromkeys(("eagle_config", "rope_scaling", "rope_parameters"), "object"),
+    **dict.fromkeys(("hidden_size", "target_hidden_size", "vocab_size", "draft_vocab_size", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings"), "integer"),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta"), "number"),
+    **dict.fromkeys(("eagle_aux_hidden_state_layer_ids", "eagle_config.eagle_aux_hidden_state_layer_ids"),
+                    "integers"),
+    "norm_before_residual": "boolean",
+}
+
+
 def _config_from_json(d: dict, num_target_layers: int | None) -> Eagle3Config:
     """Read a config.json as vLLM does (see above); `num_target_layers` gives the default layers where
     the config names none."""
+    check_json_fields(d, CONFIG_FIELDS, "an EAGLE-3 config.json")
     archs = d.get("architectures") or [ARCHITECTURE]
     if not set(archs) & set(ARCHITECTURES):
         raise GlanceError(f"architectures {archs} is not an EAGLE-3 head ({', '.join(ARCHITECTURES)})")
