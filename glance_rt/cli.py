@@ -296,7 +296,9 @@ def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> 
 @click.option("--gamma", default=7.0, show_default=True, type=float)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--save-every", default=100, show_default=True, type=int)
-@click.option("--eval-every", default=0, show_default=True, type=int)
+@click.option("--eval-every", default=0, show_default=True, type=int,
+              help="Also run the end-of-run eval (the default method and the drafter alone) every N steps: "
+                   "tau against training steps, in history.json and history.png (0: at the end only).")
 @click.option("--eval-per-kind", default=8, show_default=True, type=int)
 @click.option("--eval-budget", default=8, show_default=True, type=int, help="Tree budget of the held-out eval.")
 @click.option("--eval-lookup", default=DEFAULT_LOOKUP, show_default=True, type=int,

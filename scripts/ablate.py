@@ -11,7 +11,9 @@ Each run is `OUT/<option>-<value>/`, a normal training folder: a rerun resumes t
 (`train --resume`) and skips the finished ones, so an ablation can span several sessions.
 `OUT/summary.json`, `OUT/summary.md` and `OUT/summary.png` (matplotlib) collect each run's eval.json
 (tau at train's eval configuration, the default method and the drafter alone), its best held-out loss
-and chain tau (history.json), and for `per-kind` the number of training responses it used.
+and chain tau (history.json), and for `per-kind` the number of training responses it used. With
+`--eval-every N` among the common options, `OUT/curve.png` plots tau against training steps per variant
+(`--vary head=glance,eagle3`: the two heads from the same data and compute).
 """
 
 import argparse
@@ -62,8 +64,19 @@ def summarise(out: Path, option: str, values: list[str]) -> list[dict]:
                      "tau_alone_kinds": {k: v["tau"] for k, v in alone["kinds"].items()} if alone else {},
                      "tau_kinds": {k: v["tau"] for k, v in ev["kinds"].items()}, "best_step": hist["best_step"],
                      "heldout_loss": best.get("heldout_loss"), "heldout_tau_chain": best.get("heldout_tau_chain"),
-                     "eval": {k: ev[k] for k in ("tree_budget", "lookup", "max_new_tokens")}})
+                     "eval": {k: ev[k] for k in ("tree_budget", "lookup", "max_new_tokens")},
+                     "curve": curve(hist["steps"], ev)})
     return rows
+
+
+def curve(history: list[dict], ev: dict) -> list[list]:
+    """[step, tau, tau of the drafter alone] at each --eval-every point and at the end (eval.json, the same
+    prompts); [] for a run without --eval-every."""
+    points = [[e["step"], e["heldout_tau"], e["heldout_tau_alone"]] for e in history if "heldout_tau" in e]
+    if not points:
+        return []
+    alone = (ev.get("drafter_alone") or ev)["overall"]["tau"]  # no lookup at all: the method is the drafter alone
+    return [*points, [history[-1]["step"], ev["overall"]["tau"], alone]]
 
 
 def write_summary(out: Path, option: str, rows: list[dict]) -> None:
@@ -106,6 +119,27 @@ def write_summary(out: Path, option: str, rows: list[dict]) -> None:
     ax.set_title(f"{out.name}: held-out tau against --{option}")
     fig.tight_layout()
     fig.savefig(out / "summary.png", dpi=100)
+    plt.close(fig)
+    if any(r["curve"] for r in rows):
+        plot_curves(out, option, rows, plt)
+
+
+def plot_curves(out: Path, option: str, rows: list[dict], plt) -> None:
+    """curve.png: held-out tau against training steps, each variant's default method (solid) and drafter
+    alone (dashed), from --eval-every's points."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, r in enumerate(r for r in rows if r["curve"]):
+        steps, tau, alone = zip(*r["curve"], strict=True)
+        ax.plot(steps, tau, "o-", color=f"C{i}", label=f"--{option} {r['value']}")
+        ax.plot(steps, alone, "s--", color=f"C{i}", label=f"--{option} {r['value']}, drafter alone")
+    ev = rows[0]["eval"]
+    ax.set_xlabel("training step")
+    ax.set_ylabel(f"held-out tau (budget {ev['tree_budget']}, lookup {ev['lookup']})")
+    ax.legend(fontsize=8)
+    ax.set_title(f"{out.name}: held-out tau against training steps")
+    fig.tight_layout()
+    fig.savefig(out / "curve.png", dpi=100)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:

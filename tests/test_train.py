@@ -372,11 +372,15 @@ def test_ablation_script_runs_each_variant_once_and_summarises(tmp_path):
     processor.save_pretrained(tmp_path / "model")
     common = ["--target", str(tmp_path / "model"), "--prompts", str(write_prompts(tmp_path / "prompts.jsonl")),
               "--num-layers", "1", "--response-tokens", "12", "--steps", "4", "--save-every", "2",
-              "--eval-per-kind", "1", "--no-bf16", "--features", "online"]
+              "--eval-per-kind", "1", "--no-bf16", "--features", "online", "--eval-every", "2"]
     out = tmp_path / "abl"
     assert ablate.main(["--out", str(out), "--vary", "block-size=2,4", "--", *common]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert [r["value"] for r in summary["runs"]] == ["2", "4"]
+    for r in summary["runs"]:  # --eval-every 2: a point at step 2, then the end's eval.json at step 4
+        assert [p[0] for p in r["curve"]] == [2, 4] and r["curve"][-1][1:] == [r["tau"], r["tau_alone"]]
+        assert all(tau >= 1.0 for p in r["curve"] for tau in p[1:])
+    assert (out / "curve.png").stat().st_size > 0
     for r in summary["runs"]:
         cfg = json.loads((out / f"block-size-{r['value']}" / "eval.json").read_text())["config"]
         assert cfg["block_size"] == int(r["value"]) and cfg["features"] == "online"

@@ -102,8 +102,8 @@ def train(target, cfg: TrainConfig):
         return None, None
     lookup = cfg.eval_lookup if cfg.head == "glance" else 0  # EAGLE-3's trees take no lookup chains
 
-    def evaluate(drafter, per_kind=cfg.eval_per_kind, quiet=False):
-        return evaluate_tau(target, drafter, rows, cfg, per_kind, quiet, lookup=lookup)
+    def evaluate(drafter, quiet=False, alone=False):  # alone: no lookup chains (EAGLE-3's default already)
+        return evaluate_tau(target, drafter, rows, cfg, cfg.eval_per_kind, quiet, lookup=0 if alone else lookup)
 
     drafter = stage_train(target, cfg, out, layer_ids, rank, world, n_parts, evaluate, linear)
     result = None
@@ -114,7 +114,7 @@ def train(target, cfg: TrainConfig):
         else:
             result = evaluate(drafter)
             if lookup:  # what the drafter proposes by itself, every round drafting, beside the default method
-                alone = evaluate_tau(target, drafter, rows, cfg, cfg.eval_per_kind, lookup=0)
+                alone = evaluate(drafter, alone=True)
                 result["drafter_alone"] = {"overall": alone["overall"], "kinds": alone["kinds"], "lookup": 0}
             result["config"] = {k: v for k, v in asdict(cfg).items() if k != "resume"}
             atomic_write(eval_file, lambda p: p.write_text(json.dumps(result, indent=2)))

@@ -188,7 +188,11 @@ def plot_history(out: Path, history: list[dict], head: str = "glance") -> Path |
         ax.plot(steps, [e.get("heldout_loss", nan) for e in history], label="held-out loss")
         tau = ax.twinx()
         tau.plot(steps, [e.get("heldout_tau_chain", nan) for e in history], "g--", label="held-out chain tau")
-        tau.set_ylabel("held-out chain tau (tokens per block)")
+        if any("heldout_tau" in e for e in history):  # --eval-every's decoding tau
+            at = [e for e in history if "heldout_tau" in e]
+            tau.plot([e["step"] for e in at], [e["heldout_tau"] for e in at], "mo-", label="held-out tau")
+            tau.plot([e["step"] for e in at], [e["heldout_tau_alone"] for e in at], "co-", label="... drafter alone")
+        tau.set_ylabel("held-out tau (chain: per block; decoding: per round)")
         tau.legend(loc="upper center")
     best = best_step(history)
     ax.axvline(best, color="grey", linestyle=":", label=f"best (step {best})")
@@ -287,6 +291,17 @@ def reopen_finished(out: Path, steps: int, rank: int) -> None:
             atomic_remove(out / name)
 
 
+def curve_point(evaluate, drafter) -> dict:
+    """--eval-every's point of the tau-against-steps curve: train's end-of-run eval (the same prompts, so the
+    last point is eval.json's), the default method and the drafter alone, per kind."""
+    point, default = {}, evaluate(drafter, quiet=True)
+    alone = evaluate(drafter, quiet=True, alone=True) if default["lookup"] else default  # no lookup: it is alone
+    for key, res in (("heldout_tau", default), ("heldout_tau_alone", alone)):
+        point[key] = res["overall"]["tau"]
+        point[f"{key}_kinds"] = {k: v["tau"] for k, v in res["kinds"].items()}
+    return point
+
+
 def stage_train(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world: int, n_parts: int, evaluate,
                 linear):
     """Train from the last checkpoint; at each one, score the held-out set and keep the best
@@ -339,9 +354,7 @@ def stage_train(target, cfg: TrainConfig, out: Path, layer_ids, rank: int, world
             save_checkpoint(tr.objective, tr.opt, done, out)
             entry = {"step": done, "train_loss": sum(losses) / len(losses), **(tr.validate() if tr.held else {})}
             if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
-                res = evaluate(tr.drafter(), per_kind=max(cfg.eval_per_kind // 4, 1), quiet=True)
-                entry["heldout_tau"] = res["overall"]["tau"]
-                entry["heldout_tau_kinds"] = {k: v["tau"] for k, v in res["kinds"].items()}
+                entry.update(curve_point(evaluate, tr.drafter()))
             history.append(entry)
             write_history(out, history)
             prune_checkpoints(out, best_step(history))
