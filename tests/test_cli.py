@@ -179,3 +179,21 @@ def test_gguf_copy_is_keyed_by_the_file_its_dtype_and_versions(tmp_path, monkeyp
     (other / "m.gguf").write_bytes(b"b" * 64)
     os.utime(other / "m.gguf", ns=(2_000_000_000, 2_000_000_000))
     assert gguf_cache_folder(other / "m.gguf", torch.float32) != gguf_cache_folder(f, torch.float32)
+
+
+def test_train_copy_span_writes_a_span_copy_drafter(root, tmp_path):
+    """--copy-span is the copy head in span form: the run trains one and its drafter/ says so (glance-only)."""
+    import json
+
+    from tests.test_train import write_prompts
+
+    path = model_folder("qwen3", root)
+    result = CliRunner().invoke(main, [
+        "train", "--target", path, "--prompts", str(write_prompts(tmp_path / "p.jsonl")), "--out",
+        str(tmp_path / "run"), "--copy-span", "--block-size", "4", "--response-tokens", "8", "--steps", "2",
+        "--save-every", "2", "--batch-size", "2", "--blocks-per-seq", "2", "--eval-per-kind", "1", "--no-bf16"])
+    assert result.exit_code == 0, result.output
+    glance = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())["glance"]
+    assert glance["copy_head"] is True and glance["copy_span"] is True
+    loaded = glance_rt.load_drafter(tmp_path / "run" / "drafter", glance_rt.load_target(path))
+    assert loaded.config.copy_span
