@@ -202,6 +202,9 @@ def generate(target_path, drafter_path, images, prompt, max_new_tokens, method, 
         target, dec, (inputs,) = _method_decoder(method, target_path, drafter_path, dtype, device, max_length,
                                                  lambda t: [t.encode_chat(prompt, pil)], max_new_tokens)
         if compare:
+            if dec.drafter is None:  # checked before any work: the answer is not generated only to fail
+                raise GlanceError("--compare compares GLANCE with autoregression: it needs a drafter (--drafter "
+                                  "PATH, or the default target, which ships one)")
             click.echo(f"[glance-rt] warming up {_describe(dec)} ...", err=True)
             dec.warmup()
         start = time.perf_counter()
@@ -242,8 +245,6 @@ def _compare_with_ar(dec, inputs, max_new_tokens, result, elapsed, sampling) -> 
     from glance_rt.round.loop import Decoder
     from glance_rt.round.verify import BACKENDS
 
-    if dec.drafter is None:
-        raise GlanceError("--compare compares GLANCE with autoregression: it needs a drafter")
     same_engine = dec.backend.name in BACKENDS  # an engine is loaded with its drafter
     ar = Decoder(dec.target, None, max_length=dec.max_length, backend=dec.backend if same_engine else "eager",
                  numerics=dec.numerics)

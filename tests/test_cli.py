@@ -86,6 +86,7 @@ def test_generate_compare_warms_up_and_checks_against_autoregression(root, tmp_p
     assert f"autoregressive (same engine):   {len(ref)} tokens" in result.stdout
     result = CliRunner().invoke(main, ["generate", "--target", path, "--prompt", "Hi", "--compare"])
     assert result.exit_code != 0 and "needs a drafter" in result.output
+    assert result.stdout == ""  # refused before any work: no answer streamed first
 
 
 def test_generate_chain_drafts_the_whole_block(root, tmp_path):
