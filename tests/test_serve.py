@@ -266,3 +266,29 @@ def test_serve_refuses_an_open_bind_without_a_key(tiny):
     assert out.exit_code != 0 and "--max-batch" in out.output
     out = CliRunner().invoke(main, ["serve", "--target", tiny[0], "--prefill-chunk", "-1"], env=env)
     assert out.exit_code != 0 and "--prefill-chunk" in out.output
+
+
+def test_metrics_are_prometheus_exposition_with_the_documented_names():
+    """/metrics is prometheus_client's exposition of the server's own registry: it parses with the client's
+    parser, carries every documented name, and the values add up (a chunk of n tokens is n ITL samples)."""
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from glance_rt.server.metrics import Metrics
+
+    m, other = Metrics(), Metrics()  # two servers in one process keep their own counts
+    m.requests.inc()
+    m.observe_round(3)
+    m.observe_itl(0.01, 4)
+    m.observe_request(SimpleNamespace(prompt_tokens=5, rounds=2, draft_passes=1, drafted=[0], accepted_lengths=[3, 1]),
+                      4, 1.0, "stop")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(m.text()) for s in f.samples}
+    assert samples[("glance_requests_total", ())] == 1 and samples[("glance_batch_sequences_total", ())] == 3
+    assert samples[("glance_requests_finished_total", (("reason", "stop"),))] == 1
+    assert samples[("glance_completion_tokens_total", ())] == 4 and samples[("glance_batch_size", ())] == 3
+    assert samples[("glance_inter_token_latency_seconds_count", ())] == 4
+    assert samples[("glance_accepted_tokens_per_round_bucket", (("le", "3.0"),))] == 1
+    assert samples[("glance_accepted_tokens_per_round_bucket", (("le", "2.0"),))] == 0
+    assert "glance_requests_total 0.0" in other.text()

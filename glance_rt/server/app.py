@@ -64,16 +64,16 @@ class Worker:
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self.batch = Batch(decoder)
         self.active: dict[int, Active] = {}
-        metrics.max_batch = decoder.max_batch
+        metrics.max_batch.set(decoder.max_batch)
 
     def submit(self, job: Job) -> None:
         try:
             self.jobs.put_nowait(job)
         except queue.Full as e:
-            self.metrics.rejected += 1
+            self.metrics.rejected.inc()
             raise ApiError(429, f"the server is busy ({self.jobs.maxsize} requests queued): retry shortly",
                            kind="rate_limit_error", code="queue_full") from e
-        self.metrics.queue_depth = self.jobs.qsize()
+        self.metrics.queue_depth.set(self.jobs.qsize())
 
     def serve_forever(self) -> None:
         """Decode forever (the caller's thread: run it in the main one)."""
@@ -88,7 +88,7 @@ class Worker:
                 job = self.jobs.get(timeout=wait) if not self.active else self.jobs.get_nowait()
             except queue.Empty:
                 break
-            self.metrics.queue_depth = self.jobs.qsize()
+            self.metrics.queue_depth.set(self.jobs.qsize())
             self._admit(job)
         if not self.active:
             return
@@ -237,7 +237,7 @@ def create_app(decoder, model_name: str, max_queue: int = 16, request_timeout: f
         loop = asyncio.get_running_loop()
         job = Job(req, inputs, loop, asyncio.Queue(), time.perf_counter() + request_timeout)
         worker.submit(job)
-        metrics.requests += 1
+        metrics.requests.inc()
         return job
 
     def chunk(job: Job, chat: bool, delta: dict | str | None, finish=None, usage=None) -> str:
@@ -337,8 +337,10 @@ def create_app(decoder, model_name: str, max_queue: int = 16, request_timeout: f
 
     @app.get("/metrics")
     async def prometheus():
-        metrics.queue_depth = worker.jobs.qsize()
-        return PlainTextResponse(metrics.text(), media_type="text/plain; version=0.0.4")
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        metrics.queue_depth.set(worker.jobs.qsize())
+        return PlainTextResponse(metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     return app, worker
 
