@@ -157,14 +157,16 @@ def test_transposed_linear_is_linear(bias):
     assert kernel_summary({1: [t]}) == {"80x48": "mkl_t"}
 
 
-def test_cache_hit_miss_stale_and_unreadable(tmp_path, monkeypatch):
+def test_cache_hit_miss_stale_and_unreadable(tmp_path, monkeypatch, capsys):
     path = tmp_path / "kernels.json"
     first = FakeTimer(mixed)
     reqs = [(24, 16, 9, torch.float32), (24, 16, 64, torch.float32)]
     got = KernelTuner(first, cache=path).timings(reqs)
     assert len(first.calls) == 2 and path.exists()
+    assert "timing kernels (once per machine)" in capsys.readouterr().err  # a bar while it times
     again = FakeTimer(mixed)  # hit: another tuner on the same file times nothing
     assert KernelTuner(again, cache=path).timings(reqs) == got and again.calls == []
+    assert "timing" not in capsys.readouterr().err
     miss = FakeTimer(mixed)  # miss: only the new shape is timed
     KernelTuner(miss, cache=path).timings([*reqs, (8, 16, 9, torch.float32)])
     assert miss.calls == [(8, 16, 9)]

@@ -120,10 +120,10 @@ def test_shipped_drafter_onnxruntime_engine_matches_hf(cases, tmp_path):
         assert engine.generate(max_new_tokens=NEW, **inputs).token_ids == ref
 
 
-def test_gguf_loads_from_its_converted_copy_as_from_the_file(tmp_path, monkeypatch):
-    """The first load of a GGUF keeps a converted folder; later loads read it: the same tensors, config,
-    generation config and tokenizer as converting the file. A damaged copy is converted again, and a killed
-    conversion's temp folder is removed at the next load."""
+def test_gguf_loads_from_its_converted_copy_as_from_the_file(tmp_path, monkeypatch, capsys):
+    """The first load of a GGUF keeps a converted folder (saying so on stderr); later loads read it: the
+    same tensors, config, generation config and tokenizer as converting the file. A damaged copy is
+    converted again, and a killed conversion's temp folder is removed at the next load."""
     import torch
 
     from glance_rt.errors import GlanceWarning
@@ -133,7 +133,10 @@ def test_gguf_loads_from_its_converted_copy_as_from_the_file(tmp_path, monkeypat
     monkeypatch.setenv("GLANCE_RT_CACHE", str(tmp_path))
     direct = glance_rt.load_target(None, gguf_cache=False)
     assert not (tmp_path / "gguf").exists()
+    capsys.readouterr()
     glance_rt.load_target(None)  # converts and keeps the copy
+    err = capsys.readouterr().err
+    assert "converting SmolLM2-135M-Instruct" in err and "converted in" in err
     folder = gguf_cache_folder(default_gguf_path(), torch.float32)
     lock = f".{folder.name}.lock"  # held while a process converts (files.exclusive)
     assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == sorted([folder.name, lock])  # nothing half-written
@@ -143,6 +146,7 @@ def test_gguf_loads_from_its_converted_copy_as_from_the_file(tmp_path, monkeypat
         cached = glance_rt.load_target(None)
     assert sorted(p.name for p in (tmp_path / "gguf").iterdir()) == sorted([folder.name, lock])  # cleared
     assert cached.hf_model.config._name_or_path == str(folder)  # read from the copy, not the GGUF
+    assert "converting" not in capsys.readouterr().err
 
     def same(a, b):
         sa, sb = a.hf_model.state_dict(), b.hf_model.state_dict()

@@ -3,6 +3,8 @@ needs to know about it. `load_target` is the one way in."""
 
 import hashlib
 import json
+import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,9 +180,13 @@ def _load_gguf_cached(path: Path, dtype: torch.dtype, folder: Path):
         except Exception as e:  # a damaged copy raises what its reader raises (safetensors, tokenizers)
             warnings.warn(f"the converted copy of {path} in {folder} could not be read ({e}); converting the "
                           "GGUF file again", GlanceWarning, stacklevel=4)
+    start = time.perf_counter()  # tens of seconds with no other sign of life but transformers' bar
+    print(f"[glance-rt] converting {path.name} ({path.stat().st_size / 2**20:.0f} MiB) into a Hugging Face copy "
+          f"in {folder}: once, later loads read the copy", file=sys.stderr, flush=True)
     model, tok = _read_gguf(path, dtype)
     try:
         atomic_folder(folder, lambda tmp: _write_converted(model, tok, tmp))
+        print(f"[glance-rt] converted in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     except OSError as e:  # an unwritable cache costs the next load a conversion, nothing else
         warnings.warn(f"could not keep a converted copy of {path} in {folder} ({e}); set GLANCE_RT_CACHE to "
                       "a writable folder to load it faster next time", GlanceWarning, stacklevel=4)

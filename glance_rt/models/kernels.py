@@ -204,6 +204,17 @@ def first_difference(linear, x: Tensor, w: Tensor) -> int:
 # ----------------------------------------------------------------------------- the tuner
 
 
+SECTION_NAMES = {"timings": "kernels", "passes": "passes both ways", "invariance": "kernels' row invariance"}
+
+
+def progress_bar(items: list, desc: str):
+    """items, with a progress bar (rate, ETA) on stderr while there are several: timing a new target's
+    kernels can take a minute on a small CPU, and nothing else would show."""
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, disable=len(items) < 2, leave=False, dynamic_ncols=True)
+
+
 @dataclass(frozen=True)
 class KernelTuner:
     """Chooses a kernel per (weight shape, rows, dtype) by timing (`timer(out, in, rows, dtype)` ->
@@ -278,7 +289,7 @@ class KernelTuner:
             entries = entries.setdefault(section, {})
             memo.update({name: t for name, t in entries.items() if valid(t) and name not in memo})
             new = [name for name in missing if name not in memo]
-            for name in new:
+            for name in progress_bar(new, f"timing {SECTION_NAMES.get(section, section)} (once per machine)"):
                 entries[name] = memo[name] = wanted[name]()
             if new and path is not None:
                 data["format"] = CACHE_FORMAT
