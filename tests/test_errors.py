@@ -141,3 +141,27 @@ def test_engine_and_export_shapes_are_checked_before_any_work(tmp_path):
         with pytest.raises(GlanceError, match="budget"):
             build(target, drafter, tmp_path / "c", budgets=(0,), progress=False)
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_caches_that_do_not_fit_are_refused_before_they_are_allocated(monkeypatch, tmp_path):
+    """Static caches larger than the memory available now: a GlanceError naming the settings to lower, from
+    the Python API and from `serve` before it starts (not an out-of-memory kill mid-run)."""
+    from click.testing import CliRunner
+
+    import glance_rt.models.kv_cache as kv
+    from glance_rt.cli import main
+    from tests.tiny_models import make_tiny
+
+    target, _, _ = tiny_target("llama")
+    c = target.text_config
+    one_slot = 2 * c.num_hidden_layers * c.num_key_value_heads * 512 * (c.hidden_size // c.num_attention_heads) * 4
+    monkeypatch.setattr(kv, "available_bytes", lambda device: 3 * one_slot)  # 3 slots of 512 rows fit, 4 do not
+    glance_rt.Decoder(target, None, max_length=512, max_batch=3)
+    with pytest.raises(GlanceError, match=r"4 slot\(s\) x 512 rows.*lower max_batch \(--max-batch\) or max_length"):
+        glance_rt.Decoder(target, None, max_length=512, max_batch=4)
+    model, processor = make_tiny("llama")
+    model.save_pretrained(tmp_path / "m")
+    processor.save_pretrained(tmp_path / "m")
+    result = CliRunner().invoke(main, ["serve", "--target", str(tmp_path / "m"), "--max-batch", "4",
+                                       "--max-length", "512"])
+    assert result.exit_code != 0 and "lower max_batch (--max-batch)" in result.output

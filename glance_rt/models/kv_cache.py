@@ -5,8 +5,42 @@ scatter into its own input: a write into a view of one stacked buffer makes indu
 cache on every pass.
 """
 
+import os
+
 import torch
 from torch import Tensor, nn
+
+from glance_rt.errors import GlanceError
+
+
+def available_bytes(device) -> int | None:
+    """Memory a new buffer on `device` can take now: a GPU's free memory, a CPU's MemAvailable (Linux;
+    else the free pages); None where it cannot be told."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(nbytes: int, device, what: str) -> None:
+    """GlanceError before allocating `nbytes` that `device` cannot hold now (an out-of-memory kill of a
+    server is worse than a refusal naming the setting to lower); `what` says what it is and what sets it."""
+    free = available_bytes(device)
+    if free is not None and nbytes > free:
+        raise GlanceError(f"{what} needs {nbytes / 2**30:.2f} GiB and {device} has {free / 2**30:.2f} GiB "
+                          "available: lower max_batch (--max-batch) or max_length (--max-length)")
 
 
 def slot_rows(rows: Tensor) -> tuple:
@@ -70,6 +104,8 @@ class KVCache(nn.Module):
     def __init__(self, layers: int, kv_heads: int, max_len: int, head_dim: int, dtype, device, slots: int = 1):
         super().__init__()
         self.layers, self.slots, self.rows = layers, slots, max_len
+        nbytes = 2 * layers * slots * kv_heads * max_len * head_dim * torch.empty((), dtype=dtype).element_size()
+        check_fits(nbytes, device, f"a KV cache of {slots} slot(s) x {max_len} rows x {layers} layers")
         for i in range(layers):
             for kind in "kv":
                 buf = torch.zeros(slots, kv_heads, max_len, head_dim, dtype=dtype, device=device)
