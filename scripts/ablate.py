@@ -13,7 +13,8 @@ Each run is `OUT/<option>-<value>/`, a normal training folder: a rerun resumes t
 (tau at train's eval configuration, the default method and the drafter alone), its best held-out loss
 and chain tau (history.json), and for `per-kind` the number of training responses it used. With
 `--eval-every N` among the common options, `OUT/curve.png` plots tau against training steps per variant
-(`--vary head=glance,eagle3`: the two heads from the same data and compute).
+(`--vary head=glance,eagle3`: the two heads from the same data and compute). `--runs FOLDER...` (no `--`)
+summarises finished training folders made by other commands the same way, each labelled by its name.
 """
 
 import argparse
@@ -50,15 +51,19 @@ def responses_used(folder: Path) -> int:
 
 
 def summarise(out: Path, option: str, values: list[str]) -> list[dict]:
+    return summarise_runs([(value, run_dir(out, option, value)) for value in values])
+
+
+def summarise_runs(runs: list[tuple[str, Path]]) -> list[dict]:
+    """A row per finished run folder of runs [(label, folder)] (unfinished ones are left out)."""
     rows = []
-    for value in values:
-        folder = run_dir(out, option, value)
+    for value, folder in runs:
         if not (folder / "eval.json").exists():
             continue
         ev = json.loads((folder / "eval.json").read_text())
         hist = json.loads((folder / "history.json").read_text())
         best = next(e for e in hist["steps"] if e["step"] == hist["best_step"])
-        alone = ev.get("drafter_alone")
+        alone = ev.get("drafter_alone") or (ev if not ev.get("lookup") else None)  # no lookup: it is alone
         rows.append({"value": value, "responses": responses_used(folder), "tau": ev["overall"]["tau"],
                      "tau_alone": alone["overall"]["tau"] if alone else None,
                      "tau_alone_kinds": {k: v["tau"] for k, v in alone["kinds"].items()} if alone else {},
@@ -147,9 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     common = argv[argv.index("--") + 1 :] if "--" in argv else []
     ap = argparse.ArgumentParser(prog="python scripts/ablate.py", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="folder of the runs and the summary")
-    ap.add_argument("--vary", required=True, help="OPTION=V1,V2,... (a `glance-rt train` option without --)")
+    ap.add_argument("--vary", help="OPTION=V1,V2,... (a `glance-rt train` option without --)")
+    ap.add_argument("--runs", nargs="+", type=Path,
+                    help="instead of --vary: summarise these finished training folders, each labelled by its name "
+                         "(runs that differ in several flags, e.g. a GLANCE drafter against an EAGLE-3 head)")
     ap.add_argument("--summary-only", action="store_true", help="only collect the finished runs")
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if args.runs:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_summary(out, "run", summarise_runs([(folder.name, folder) for folder in args.runs]))
+        return 0
+    if not args.vary:
+        ap.error("give --vary OPTION=V1,V2,... or --runs FOLDER...")
     option, _, values = args.vary.partition("=")
     values = [v for v in values.split(",") if v] if option not in LIST_OPTIONS else values.split(";")
     if not values:

@@ -381,6 +381,12 @@ def test_ablation_script_runs_each_variant_once_and_summarises(tmp_path):
         assert [p[0] for p in r["curve"]] == [2, 4] and r["curve"][-1][1:] == [r["tau"], r["tau_alone"]]
         assert all(tau >= 1.0 for p in r["curve"] for tau in p[1:])
     assert (out / "curve.png").stat().st_size > 0
+    runs = [str(out / "block-size-4"), str(out / "block-size-2")]  # finished folders, summarised by name
+    assert ablate.main(["--out", str(tmp_path / "cmp"), "--runs", *runs]) == 0
+    again = json.loads((tmp_path / "cmp" / "summary.json").read_text())["runs"]
+    assert [r["value"] for r in again] == ["block-size-4", "block-size-2"]
+    assert [r["curve"] for r in again] == [r["curve"] for r in reversed(summary["runs"])]
+    assert (tmp_path / "cmp" / "curve.png").stat().st_size > 0
     for r in summary["runs"]:
         cfg = json.loads((out / f"block-size-{r['value']}" / "eval.json").read_text())["config"]
         assert cfg["block_size"] == int(r["value"]) and cfg["features"] == "online"
