@@ -64,24 +64,22 @@ def summarise_runs(runs: list[tuple[str, Path]]) -> list[dict]:
         hist = json.loads((folder / "history.json").read_text())
         best = next(e for e in hist["steps"] if e["step"] == hist["best_step"])
         alone = ev.get("drafter_alone") or (ev if not ev.get("lookup") else None)  # no lookup: it is alone
+        tau_alone = alone["overall"]["tau"] if alone else None
         rows.append({"value": value, "responses": responses_used(folder), "tau": ev["overall"]["tau"],
-                     "tau_alone": alone["overall"]["tau"] if alone else None,
+                     "tau_alone": tau_alone,
                      "tau_alone_kinds": {k: v["tau"] for k, v in alone["kinds"].items()} if alone else {},
                      "tau_kinds": {k: v["tau"] for k, v in ev["kinds"].items()}, "best_step": hist["best_step"],
                      "heldout_loss": best.get("heldout_loss"), "heldout_tau_chain": best.get("heldout_tau_chain"),
                      "eval": {k: ev[k] for k in ("tree_budget", "lookup", "max_new_tokens")},
-                     "curve": curve(hist["steps"], ev)})
+                     "curve": curve(hist["steps"], ev["overall"]["tau"], tau_alone)})
     return rows
 
 
-def curve(history: list[dict], ev: dict) -> list[list]:
-    """[step, tau, tau of the drafter alone] at each --eval-every point and at the end (eval.json, the same
-    prompts); [] for a run without --eval-every."""
+def curve(history: list[dict], tau: float, tau_alone: float | None) -> list[list]:
+    """[step, tau, tau of the drafter alone] at each --eval-every point and at the end (eval.json's tau and
+    tau_alone, the same prompts); [] for a run without --eval-every."""
     points = [[e["step"], e["heldout_tau"], e["heldout_tau_alone"]] for e in history if "heldout_tau" in e]
-    if not points:
-        return []
-    alone = (ev.get("drafter_alone") or ev)["overall"]["tau"]  # no lookup at all: the method is the drafter alone
-    return [*points, [history[-1]["step"], ev["overall"]["tau"], alone]]
+    return [*points, [history[-1]["step"], tau, tau_alone]] if points else []
 
 
 def write_summary(out: Path, option: str, rows: list[dict]) -> None:
@@ -118,13 +116,7 @@ def write_summary(out: Path, option: str, rows: list[dict]) -> None:
     else:
         ax.set_xticks(xs, [r["value"] for r in rows])
         ax.set_xlabel(f"--{option}")
-    ev = rows[0]["eval"] if rows else {}
-    ax.set_ylabel(f"held-out tau (budget {ev.get('tree_budget')}, lookup {ev.get('lookup')})")
-    ax.legend(fontsize=8)
-    ax.set_title(f"{out.name}: held-out tau against --{option}")
-    fig.tight_layout()
-    fig.savefig(out / "summary.png", dpi=100)
-    plt.close(fig)
+    save_plot(plt, fig, ax, rows, f"{out.name}: held-out tau against --{option}", out / "summary.png")
     if any(r["curve"] for r in rows):
         plot_curves(out, option, rows, plt)
 
@@ -137,13 +129,18 @@ def plot_curves(out: Path, option: str, rows: list[dict], plt) -> None:
         steps, tau, alone = zip(*r["curve"], strict=True)
         ax.plot(steps, tau, "o-", color=f"C{i}", label=f"--{option} {r['value']}")
         ax.plot(steps, alone, "s--", color=f"C{i}", label=f"--{option} {r['value']}, drafter alone")
-    ev = rows[0]["eval"]
     ax.set_xlabel("training step")
-    ax.set_ylabel(f"held-out tau (budget {ev['tree_budget']}, lookup {ev['lookup']})")
+    save_plot(plt, fig, ax, rows, f"{out.name}: held-out tau against training steps", out / "curve.png")
+
+
+def save_plot(plt, fig, ax, rows: list[dict], title: str, path: Path) -> None:
+    """Label the tau axis with the runs' eval configuration, add the legend and title, write and close."""
+    ev = rows[0]["eval"] if rows else {}
+    ax.set_ylabel(f"held-out tau (budget {ev.get('tree_budget')}, lookup {ev.get('lookup')})")
     ax.legend(fontsize=8)
-    ax.set_title(f"{out.name}: held-out tau against training steps")
+    ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(out / "curve.png", dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -158,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(runs that differ in several flags, e.g. a GLANCE drafter against an EAGLE-3 head)")
     ap.add_argument("--summary-only", action="store_true", help="only collect the finished runs")
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     if args.runs:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         write_summary(out, "run", summarise_runs([(folder.name, folder) for folder in args.runs]))
         return 0
     if not args.vary:
@@ -169,8 +166,6 @@ def main(argv: list[str] | None = None) -> int:
     values = [v for v in values.split(",") if v] if option not in LIST_OPTIONS else values.split(";")
     if not values:
         ap.error("--vary needs OPTION=V1,V2,...")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if not args.summary_only:
         for i, value in enumerate(values):
             minutes = train_one(out, option, value, common)
