@@ -104,7 +104,7 @@ class KVCache(nn.Module):
     def __init__(self, layers: int, kv_heads: int, max_len: int, head_dim: int, dtype, device, slots: int = 1):
         super().__init__()
         self.layers, self.slots, self.rows = layers, slots, max_len
-        nbytes = 2 * layers * slots * kv_heads * max_len * head_dim * torch.empty((), dtype=dtype).element_size()
+        nbytes = 2 * layers * slots * kv_heads * max_len * head_dim * dtype.itemsize
         check_fits(nbytes, device, f"a KV cache of {slots} slot(s) x {max_len} rows x {layers} layers")
         for i in range(layers):
             for kind in "kv":
